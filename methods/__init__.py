@@ -1,0 +1,53 @@
+"""Compression methods as pure tensor code (DESIGN.md §1: torch and numpy only).
+
+``REGISTRY`` maps the public method names of the command line (DESIGN.md §4) to their classes;
+``build_method(name, **options)`` constructs one and names the valid choices on a typo.
+"""
+
+from __future__ import annotations
+
+from .base import KVMethod, LayerState, LayerStats, ModelShape, Rope, Unsupported
+from .cobra import CobraKL, CobraMSE
+from .fp16 import Fp16
+from .h2o import H2O
+from .kivi import Kivi
+from .kqsvd import KQSVD
+from .snapkv import SnapKV
+from .svdq import SVDq
+
+REGISTRY: dict[str, type[KVMethod]] = {
+    "fp16": Fp16,
+    "kivi": Kivi,
+    "svdq": SVDq,
+    "kqsvd": KQSVD,
+    "cobra_mse": CobraMSE,
+    "cobra_kl": CobraKL,
+    "h2o": H2O,
+    "snapkv": SnapKV,
+}
+
+
+def build_method(name: str, **options) -> KVMethod:
+    """Construct a registered method; unknown names and options fail with the valid choices."""
+    if name not in REGISTRY:
+        raise KeyError(f"unknown method {name!r}; valid choices: {', '.join(REGISTRY)}")
+    cls = REGISTRY[name]
+    fields = getattr(cls, "__dataclass_fields__", {})
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise TypeError(
+            f"method {name!r} has no option(s) {unknown}; valid options: {sorted(fields) or 'none'}"
+        )
+    return cls(**options)
+
+
+__all__ = [
+    "REGISTRY",
+    "build_method",
+    "KVMethod",
+    "LayerState",
+    "LayerStats",
+    "ModelShape",
+    "Rope",
+    "Unsupported",
+]

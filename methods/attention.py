@@ -1,0 +1,58 @@
+"""Plain softmax attention with grouped-query heads, used by every :class:`LayerState`.
+
+Queries are the last ``Tq`` positions of a sequence whose keys are ``k`` (``Tk >= Tq``); query i
+sits at position ``Tk - Tq + i`` and may read keys ``0..Tk - Tq + i`` (causal). ``keys_pos`` gives
+the original positions of the stored keys when a cache has evicted some (order-free caches), and
+``query_pos`` those of the queries; with both given the causal rule is ``keys_pos <= query_pos``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, Hkv, T, d] -> [B, Hkv*group, T, d] (query head h reads KV head h // group)."""
+    if group == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, group, t, d).reshape(b, h * group, t, d)
+
+
+def causal_mask(tq: int, tk: int, device=None) -> torch.Tensor:
+    """Boolean [tq, tk], True where query i (at position tk - tq + i) may read key j."""
+    qpos = torch.arange(tk - tq, tk, device=device)[:, None]
+    kpos = torch.arange(tk, device=device)[None, :]
+    return kpos <= qpos
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Softmax probabilities [B, Hq, Tq, Tk]; ``mask`` broadcastable to that shape, True = keep.
+
+    Computed in float32 (the logits of a bf16 model are upcast, as HF's eager path does)."""
+    group = q.shape[1] // k.shape[1]
+    logits = torch.matmul(q.float(), expand_kv(k, group).float().transpose(-1, -2)) * scaling
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def attend_probs(probs: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    group = probs.shape[1] // v.shape[1]
+    return torch.matmul(probs, expand_kv(v, group).float()).to(out_dtype)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Exact causal attention of the last ``Tq`` positions over all ``Tk`` keys."""
+    mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+    return attend_probs(attention_probs(q, k, scaling, mask), v, q.dtype)
+
+
+def group_mean(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Average a per-query-head quantity [B, Hq, ...] over each KV group -> [B, Hkv, ...]."""
+    b, hq = x.shape[:2]
+    return x.reshape(b, n_kv_heads, hq // n_kv_heads, *x.shape[2:]).mean(dim=2)

@@ -1,0 +1,155 @@
+"""The contract between compression methods (tensors) and the harness (models).
+
+DESIGN.md §1-§2, METHODS.md §0-§1. A method is a small dataclass with three duties:
+
+1. **Budget** — ``configure(shape, bpd_k, bpd_v)`` maps the targets (bits per K / V element,
+   metadata included, METHODS.md §0) to the method's knobs, or raises :class:`Unsupported` naming
+   the reachable range. ``bpd_v=None`` means values stay at 16 bits (the K-track).
+2. **Calibration** — methods with ``needs_calibration = True`` receive one :class:`LayerStats` per
+   layer (float64 per-KV-head moments collected by the harness on pre-RoPE ``k_proj``/``v_proj``/
+   ``q_proj`` outputs, METHODS.md §1.2) through ``calibrate(stats)``. ``seed`` selects random signs.
+3. **Attention over a compressed cache** — ``new_layer_state(layer)`` returns a :class:`LayerState`
+   that owns the stored (packed) representation of one layer's cache and computes attention from
+   it. Both simulation regimes of METHODS.md §1.3 come from the same object:
+
+   * ``prefill=True``: exact attention over the new tokens, then the cache is compressed
+     (LongBench, PPL track B).
+   * ``prefill=False`` (decode semantics): new tokens are compressed on arrival by the method's
+     decode rules, then attend. A chunk of T tokens must give exactly what T single-token steps
+     give, so one teacher-forced pass from an empty state *is* the Q-all simulation (PPL track A,
+     zero-shot log-likelihoods).
+
+Tensors: queries ``[B, Hq, T, d]`` and keys/values ``[B, Hkv, T, d]`` post-RoPE, exactly what the
+model's attention sees; ``k_pre`` is the same keys before RoPE (``k_proj`` output, bias included)
+and ``rope = (cos, sin)`` with shape ``[B, T, d]`` lets a pre-RoPE codec re-apply the rotation to
+its decoded keys (HF ``rotate_half`` convention). Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+class Unsupported(ValueError):
+    """A budget the method cannot reach. The harness records status ``unsupported``."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a method may know about a model: its attention geometry and nothing else."""
+
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        return self.n_q_heads // self.n_kv_heads
+
+    @property
+    def n_heads_total(self) -> int:
+        """N = L * H_kv, the number of KV heads in the model (METHODS.md §0)."""
+        return self.n_layers * self.n_kv_heads
+
+
+@dataclass
+class LayerStats:
+    """Calibration moments of one layer, float64, one entry per KV head (METHODS.md §1.2).
+
+    mu_k, mu_v: [H, d] means of pre-RoPE keys / values.
+    cov_k, cov_v: [H, d, d] centered covariances.
+    m_q: [H, d, d] uncentered query second moment averaged over the g query heads of each group.
+    n_tokens: tokens the moments were computed from.
+    """
+
+    mu_k: torch.Tensor
+    cov_k: torch.Tensor
+    mu_v: torch.Tensor
+    cov_v: torch.Tensor
+    m_q: torch.Tensor
+    n_tokens: int
+
+
+@dataclass
+class Rope:
+    """cos/sin of the positions of the tokens passed to ``attend``, each ``[B, T, d]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF RoPE pairing: dimension i goes with i + d/2 (METHODS.md §0)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate ``x`` [B, H, T, d] by the positions in ``rope`` (same arithmetic as HF Llama)."""
+    cos = rope.cos.unsqueeze(1)
+    sin = rope.sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class LayerState:
+    """One layer's compressed cache. Subclasses store real packed bytes and attend from them."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scaling: float,
+        prefill: bool,
+        k_pre: torch.Tensor | None = None,
+        rope: Rope | None = None,
+    ) -> torch.Tensor:
+        """Store the new tokens per the method's rules and return attention output [B, Hq, T, d]."""
+        raise NotImplementedError
+
+    def stored_bits(self) -> tuple[int, int]:
+        """Bits held for keys and for values right now, from the stored representation."""
+        raise NotImplementedError
+
+    @property
+    def n_seen(self) -> int:
+        """Tokens that have entered this layer (kept or evicted)."""
+        raise NotImplementedError
+
+
+@dataclass
+class KVMethod:
+    """Base of every method. Subclasses are dataclasses whose fields are the method's options."""
+
+    name: ClassVar[str] = "base"
+    needs_calibration: ClassVar[bool] = False
+    #: whether a single teacher-forced pass (Q-all) is meaningful for this method (SnapKV: no)
+    supports_in_pass: ClassVar[bool] = True
+    #: whether anything about the method depends on the seed (calibration windows aside)
+    seeded: ClassVar[bool] = False
+
+    def configure(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None) -> None:
+        """Choose knobs for the targets; raise :class:`Unsupported` if they cannot be met."""
+        raise NotImplementedError
+
+    def calibrate(self, stats: list[LayerStats], seed: int = 0) -> None:
+        """Fit per-layer parameters from calibration statistics (calibrated methods only)."""
+        if self.needs_calibration:
+            raise NotImplementedError
+
+    def new_layer_state(self, layer: int) -> LayerState:
+        raise NotImplementedError
+
+    def knobs(self) -> dict:
+        """The knobs chosen by ``configure``/``calibrate`` (logged into result.json)."""
+        return {}
+
+    def nominal_bpd(self, n_tokens: int) -> tuple[float, float]:
+        """The formula's bpd_K, bpd_V for a cache of ``n_tokens`` (METHODS.md §8), for comparison
+        with the measured value."""
+        raise NotImplementedError
