@@ -9,6 +9,7 @@ the original positions of the stored keys when a cache has evicted some (order-f
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -47,9 +48,17 @@ def attend_probs(probs: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """Exact causal attention of the last ``Tq`` positions over all ``Tk`` keys."""
-    mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
-    return attend_probs(attention_probs(q, k, scaling, mask), v, q.dtype)
+    """Exact causal attention of the last ``Tq`` positions over all ``Tk`` keys.
+
+    Uses torch's fused ``scaled_dot_product_attention`` (the kernel of transformers' ``sdpa``
+    path), so a 32k-token prefill never materializes the [Tq, Tk] probability matrix."""
+    tq, tk = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, group), expand_kv(v, group)
+    if tq == tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    mask = causal_mask(tq, tk, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
 
 
 def group_mean(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

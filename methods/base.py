@@ -132,6 +132,8 @@ class KVMethod:
     supports_in_pass: ClassVar[bool] = True
     #: whether anything about the method depends on the seed (calibration windows aside)
     seeded: ClassVar[bool] = False
+    #: token eviction keeps whole tokens, so one budget covers K and V alike (DESIGN.md §3)
+    evicts_tokens: ClassVar[bool] = False
 
     def configure(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None) -> None:
         """Choose knobs for the targets; raise :class:`Unsupported` if they cannot be met."""

@@ -1,0 +1,125 @@
+"""Command line: ``python -m analysis {main-table,ablation,plot} [RUNS_DIR] [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from analysis.derived import DEFAULT_PPL_DATASETS, parse_datasets
+from analysis.load import NoResultsError
+
+EXIT_USAGE = 2
+EXIT_NO_RESULTS = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with its three sub-commands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("runs_dir", nargs="?", metavar="RUNS_DIR",
+                        help="directory searched recursively for result.json files")
+    common.add_argument("--wandb", metavar="ENTITY/PROJECT",
+                        help="read the runs from W&B (public API) instead of RUNS_DIR")
+    common.add_argument("--experiment", metavar="NAME",
+                        help="only runs with config.experiment=NAME")
+    common.add_argument("--longbench-metric", default="longbench_avg", metavar="COLUMN",
+                        help="metric for the LongBench column (default longbench_avg; e.g. "
+                             "longbench_longqa_squad or longqa_squad for the offline stand-in)")
+
+    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def table_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--format", choices=["md", "latex", "csv"], default="md")
+        p.add_argument("--out", metavar="FILE", help="write the table here instead of stdout")
+
+    main = sub.add_parser("main-table", parents=[common], help="the main table (mean ± std)")
+    table_options(main)
+    main.add_argument("--ppl-datasets", default=",".join(DEFAULT_PPL_DATASETS),
+                      metavar="A,B,C", help="PPL datasets averaged (default wikitext2,ptb,c4)")
+    main.add_argument("--ppl-partial", action="store_true",
+                      help="average the datasets a run has when some are missing (marked *)")
+
+    abl = sub.add_parser("ablation", parents=[common], help="the ablation table")
+    table_options(abl)
+    abl.add_argument("--ppl-dataset", default="wikitext2", metavar="NAME",
+                     help="PPL dataset of the PPL column (default wikitext2; smoke runs: "
+                          "wiki_proxy or ptb)")
+
+    plot = sub.add_parser("plot", parents=[common], help="rate-distortion PNGs, one per model")
+    plot.add_argument("--metric", default="ppl_mean",
+                      help="ppl_mean (default), ppl_gmean, ppl_wikitext2, zeroshot_avg, "
+                           "longbench_avg, ... (any numeric metric column)")
+    plot.add_argument("--x", choices=["bpd_kv", "bpd_k"], default="bpd_kv",
+                      help="x axis: measured bpd_KV (default) or bpd_K")
+    plot.add_argument("--out", default="figures", metavar="DIR", help="output directory")
+    plot.add_argument("--ppl-datasets", default=",".join(DEFAULT_PPL_DATASETS), metavar="A,B,C",
+                      help="datasets of ppl_mean / ppl_gmean")
+    plot.add_argument("--ppl-partial", action="store_true",
+                      help="average the datasets a run has when some are missing")
+    return parser
+
+
+def load_frame(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The runs DataFrame from RUNS_DIR or --wandb (exactly one of them)."""
+    if bool(args.runs_dir) == bool(args.wandb):
+        parser.error("give either RUNS_DIR or --wandb ENTITY/PROJECT")
+    if args.wandb:
+        from analysis.wandb_source import load_wandb
+        return load_wandb(args.wandb)
+    from analysis.load import load_runs_dir
+    return load_runs_dir(args.runs_dir)
+
+
+def write_table(table, args: argparse.Namespace) -> None:
+    """Print or write the rendered table; CSV notes go to stderr."""
+    from analysis.render import render
+    text = render(table, args.format)
+    if args.format == "csv":
+        for note in table.notes:
+            print(f"note: {note}", file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Execute the parsed command; return the exit code."""
+    frame = load_frame(args, parser)
+    if args.command == "main-table":
+        from analysis.tables import main_table
+        datasets = parse_datasets(args.ppl_datasets)
+        if not datasets:
+            parser.error("--ppl-datasets is empty")
+        write_table(main_table(frame, datasets, args.ppl_partial, args.longbench_metric,
+                               args.experiment), args)
+    elif args.command == "ablation":
+        from analysis.tables import ablation_table
+        write_table(ablation_table(frame, args.ppl_dataset, args.longbench_metric,
+                                   args.experiment), args)
+    else:
+        from analysis.plot import plot_rate_distortion
+        if args.experiment:
+            from analysis.select import experiment_of
+            frame = frame[experiment_of(frame) == args.experiment]
+        for path in plot_rate_distortion(frame, args.metric, args.out, args.x,
+                                         parse_datasets(args.ppl_datasets), args.ppl_partial):
+            print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run; errors become one ``error:`` line on stderr and an exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args, parser)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except NoResultsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NO_RESULTS

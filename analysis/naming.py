@@ -1,0 +1,83 @@
+"""Display names, row orders and the default method options the tables rely on.
+
+Everything here is presentation knowledge: the analysis package never imports kvbench, so the
+few facts it needs about methods (their display names, the paper's row order, which option values
+are the method's defaults) live in this one file.
+"""
+
+from __future__ import annotations
+
+import math
+
+METHOD_ORDER = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o", "snapkv"]
+
+METHOD_NAMES = {
+    "fp16": "FP16",
+    "kivi": "KIVI",
+    "svdq": "SVDq",
+    "kqsvd": "KQ-SVD",
+    "cobra_mse": "KV-COBRA-MSE",
+    "cobra_kl": "KV-COBRA-KL",
+    "h2o": "H2O",
+    "snapkv": "SnapKV",
+}
+
+MODEL_ORDER = ["llama3_8b", "mistral_7b", "qwen25_7b", "smollm2_135m"]
+
+MODEL_NAMES = {
+    "llama3_8b": "LLaMA-3.1-8B",
+    "mistral_7b": "Mistral-7B",
+    "qwen25_7b": "Qwen2.5-7B",
+    "smollm2_135m": "SmolLM2-135M",
+}
+
+PPL_DATASET_NAMES = {"wikitext2": "WikiText-2", "ptb": "PTB", "c4": "C4"}
+
+# Method options whose non-default values make a run an ablation (METHODS.md §4.2, §5.4, §5.7).
+# A run whose config lacks the option is taken to use the default.
+DEFAULT_OPTIONS = {
+    "cobra_kl": {"c2": True, "rotation": "hadamard"},
+    "cobra_mse": {"c2": True, "rotation": "hadamard"},
+    "kqsvd": {"rotation": "none"},
+}
+
+# Methods whose K/V budget splits belong to the ablation table, in the ablation's row order
+# (the seed lists KV-COBRA-KL before its KQ-SVD baseline).
+SPLIT_ABLATION_METHODS = ["cobra_kl", "cobra_mse", "kqsvd"]
+ABLATION_METHOD_ORDER = SPLIT_ABLATION_METHODS + [m for m in METHOD_ORDER
+                                                  if m not in SPLIT_ABLATION_METHODS]
+
+FP16_BITS = 16.0
+
+
+def method_name(method: str) -> str:
+    """Display name of a method id ("cobra_kl" -> "KV-COBRA-KL"); unknown ids are shown as is."""
+    return METHOD_NAMES.get(method, method)
+
+
+def model_name(model: str) -> str:
+    """Display name of a model id ("llama3_8b" -> "LLaMA-3.1-8B"); unknown ids are shown as is."""
+    return MODEL_NAMES.get(model, model)
+
+
+def ppl_dataset_name(dataset: str) -> str:
+    """Display name of a perplexity dataset; stand-ins (e.g. "wiki_proxy") keep their own name."""
+    return PPL_DATASET_NAMES.get(dataset, dataset)
+
+
+def order_key(value: str, order: list[str]) -> tuple[int, str]:
+    """Sort key placing known ids in the given order and unknown ids after them, alphabetically."""
+    return (order.index(value), "") if value in order else (len(order), str(value))
+
+
+def fmt_bpd(x: float | None) -> str:
+    """A bpd target for display: at least one decimal, at most three ("1.0", "0.25", "16.0")."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    text = f"{x:.3f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
+def fmt_g(x: float) -> str:
+    """A compact number for labels ("1", "4", "0.5")."""
+    return f"{x:g}"

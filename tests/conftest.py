@@ -1,0 +1,58 @@
+"""Shared fixtures: offline environment, the real data folder, tiny and real models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is absent (only on the project's own machines)")
+    return SHARED_DATA
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16):
+    """A random Llama built in memory (GQA, RoPE): seconds, no files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=heads * head_dim,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    return model
+
+
+@pytest.fixture
+def tiny_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (converted once into $KVBENCH_CACHE)."""
+    from kvbench.models import load_model
+
+    return load_model("smollm2_135m", embedded=True)

@@ -1,0 +1,45 @@
+"""result.json: schema of DESIGN.md §4 and the atomic write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbench import results
+from kvbench.results import new_result, read_result, write_atomic
+
+
+def test_schema_keys():
+    r = new_result("smollm2_135m", "cobra_kl", 0, 1.0, 16.0)
+    assert set(r) >= {"status", "error", "model", "method", "seed", "bpd", "metrics", "timings",
+                      "config", "versions"}
+    assert set(r["bpd"]) == {"target_k", "target_v", "measured_k", "measured_v"}
+    assert r["versions"]["torch"] and "transformers" in r["versions"]
+
+
+def test_nonfinite_values_become_null(tmp_path):
+    path = write_atomic(tmp_path / "result.json", {"metrics": {"ppl": {"ptb": float("nan")}}})
+    assert json.loads(path.read_text())["metrics"]["ppl"]["ptb"] is None
+
+
+def test_crash_mid_write_leaves_previous_result(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    write_atomic(path, {"status": "ok", "n": 1})
+
+    def exploding_dump(obj, f, **kw):
+        f.write('{"status": "ok", "trunc')  # half a file, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(results.json, "dump", exploding_dump)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, {"status": "ok", "n": 2})
+    assert read_result(path) == {"status": "ok", "n": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temp file left behind
+
+
+def test_read_result_of_garbage_is_none(tmp_path):
+    bad = tmp_path / "result.json"
+    bad.write_text('{"status": ')
+    assert read_result(bad) is None
+    assert read_result(tmp_path / "absent.json") is None
