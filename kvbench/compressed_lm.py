@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from methods import Unsupported
+
 from .integrate import Compressor, cache_argument, returned_cache
 
 
-class NotInPass(RuntimeError):
+class NotInPass(Unsupported):
     """The method has no single-pass (Q-all) simulation (SnapKV: METHODS.md §7.4)."""
 
 

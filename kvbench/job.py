@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from methods import Unsupported, build_method
 
 from .calibrate import CalibrationSpec, calibrate
-from .compressed_lm import CompressedLM
+from .compressed_lm import CompressedLM, NotInPass
 from .integrate import attach, model_shape
 from .models import LoadedModel, load_model
 from .results import FINISHED, RESULT_FILE, has_nonfinite, new_result, read_result, write_atomic
@@ -62,35 +62,44 @@ def _limit(cfg: DictConfig, task_cfg) -> int | None:
 
 
 def run_tasks(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
+    """Run every task of ``cfg.tasks``; a task the method cannot do is listed, not fatal."""
     unknown = [t for t in cfg.tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; valid choices: {', '.join(TASKS)}")
-    metrics, measured = result["metrics"], []
-    if "ppl" in cfg.tasks:
-        from .ppl import evaluate_ppl
-
-        p = cfg.task.ppl
-        out = evaluate_ppl(
-            lm, list(p.datasets), p.seqlen, _limit(cfg, p), p.track, p.context,
-            OmegaConf.to_container(p.data_dir, resolve=True) if p.get("data_dir") else {},
-        )
-        metrics["ppl"] = out["ppl"]
-        result["counts"]["ppl_windows"] = out["windows"]
-        measured.append(out["measured_bpd"])
-    if "zeroshot" in cfg.tasks:
-        from .evals.zeroshot import evaluate_zeroshot
-
-        z = cfg.task.zeroshot
-        out = evaluate_zeroshot(lm, list(z.tasks), _limit(cfg, z), cfg.seed)
-        metrics["zeroshot"] = out
-    if "longbench" in cfg.tasks:
-        run_longbench(cfg, lm, result)
+    for task in cfg.tasks:
+        try:
+            TASK_RUNNERS[task](cfg, lm, result)
+        except NotInPass as err:
+            result.setdefault("unsupported_tasks", {})[task] = str(err)
+            log.warning("%s: unsupported for %s: %s", task, lm.method.name, err)
+    if len(result.get("unsupported_tasks", {})) == len(cfg.tasks):
+        raise Unsupported("; ".join(result["unsupported_tasks"].values()))
     if lm.compressor is None:
         result["bpd"]["measured_k"], result["bpd"]["measured_v"] = 16.0, 16.0
-    elif measured:
-        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = measured[0]
     else:
-        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = lm.measured_bpd
+        measured = result.pop("_ppl_bpd", None) or lm.measured_bpd
+        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = measured
+
+
+def run_ppl(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
+    from .ppl import evaluate_ppl
+
+    p = cfg.task.ppl
+    out = evaluate_ppl(
+        lm, list(p.datasets), p.seqlen, _limit(cfg, p), p.track, p.context,
+        OmegaConf.to_container(p.data_dir, resolve=True) if p.get("data_dir") else {},
+    )
+    result["metrics"]["ppl"] = out["ppl"]
+    result["counts"]["ppl_windows"] = out["windows"]
+    result["counts"]["ppl_track"] = p.track
+    result["_ppl_bpd"] = out["measured_bpd"]
+
+
+def run_zeroshot(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
+    from .evals.zeroshot import evaluate_zeroshot
+
+    z = cfg.task.zeroshot
+    result["metrics"]["zeroshot"] = evaluate_zeroshot(lm, list(z.tasks), _limit(cfg, z), cfg.seed)
 
 
 def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
@@ -109,6 +118,9 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
         result["metrics"]["longbench"] = evaluate_longbench(
             lm, real, lb.get("data_dir"), _limit(cfg, lb), lb.max_length, bool(cfg.model.chat)
         )
+
+
+TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench}
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict:

@@ -1,0 +1,110 @@
+"""Asymmetric min-max group quantizer, KIVI form (METHODS.md §1.1; KIVI ``quant/new_pack.py``).
+
+For every group of ``G`` consecutive elements along one axis:
+
+    mn = min x,   s = max((max x - mn) / (2^b - 1), 1e-8),
+    q  = clamp(round_half_even((x - mn) / s), 0, 2^b - 1),   x_hat = q * s + mn.
+
+``s`` and ``mn`` are stored as fp16 (32 bits per group); the zero point is the float minimum, not
+rounded to an integer. The codes are packed ``b`` bits each with :func:`methods.packing.pack_bits`
+(``G * b / 8`` bytes per group), so :meth:`GroupPacked.bits` is the size of what is stored.
+
+Grouping along tokens gives KIVI's per-channel key quantizer (groups of G tokens of one channel);
+grouping along channels gives its per-token value quantizer (groups of G channels of one token).
+
+Decisions where METHODS.md is silent:
+
+* **What is stored is what is used.** ``s`` and ``mn`` are rounded to fp16 first and both the codes
+  and the reconstruction use the rounded values, so the codes are the nearest points of the grid
+  that dequantization actually produces (KIVI computes them in fp16 arithmetic, to the same
+  effect).
+* The guard ``s >= 1e-8`` is applied in float32 before rounding; 1e-8 is below the smallest fp16
+  subnormal (2^-24 ~ 6e-8) and would round to 0, so the stored scale is floored at 2^-24. A constant
+  group then reconstructs as ``mn`` (fp16-rounded) and nothing divides by zero.
+* Arithmetic in float32 (inputs in bf16/fp16 are upcast); the reconstruction is cast back to the
+  input dtype. Values beyond the fp16 range (|x| > 65504) are not supported (fp16 metadata).
+* The quantized axis length must be a multiple of ``G`` (callers quantize complete groups only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packing import pack_bits, unpack_bits
+
+SCALE_GUARD = 1e-8
+FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal)
+
+
+@dataclass
+class GroupPacked:
+    """Packed codes [..., n/G, G*b/8] (uint8) with fp16 scale and minimum [..., n/G].
+
+    ``...`` are the input's axes other than ``axis`` in their original order; ``shape`` and
+    ``dtype`` are those of the quantized tensor (to rebuild it)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    nbits: int
+    group: int
+    axis: int
+    shape: tuple
+    dtype: torch.dtype
+
+    def bits(self) -> int:
+        """Stored bits, measured from the tensors: codes + scales + minima."""
+        return 8 * sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
+
+
+def _grouped(x: torch.Tensor, group: int, axis: int) -> torch.Tensor:
+    xm = x.movedim(axis, -1)
+    n = xm.shape[-1]
+    if group < 1 or n % group:
+        raise ValueError(f"axis length {n} is not a multiple of the group size {group}")
+    return xm.reshape(*xm.shape[:-1], n // group, group)
+
+
+def fp16_params(xg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (scale, minimum) of groups along the last axis of float32 ``xg``."""
+    mn = xg.amin(dim=-1)
+    mx = xg.amax(dim=-1)
+    s = ((mx - mn) / float((1 << bits) - 1)).clamp_min(SCALE_GUARD)
+    return s.half().clamp_min(FP16_TINY), mn.half()
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int = -1) -> GroupPacked:
+    """Quantize ``x`` in groups of ``group`` consecutive elements along ``axis``."""
+    if not (isinstance(bits, int) and 1 <= bits <= 8):
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    axis = axis % x.ndim
+    xg = _grouped(x, group, axis).float()
+    s16, mn16 = fp16_params(xg, bits)
+    q = ((xg - mn16.float()[..., None]) / s16.float()[..., None]).round()
+    q = q.clamp(0, (1 << bits) - 1).to(torch.uint8)
+    return GroupPacked(pack_bits(q, bits), s16, mn16, bits, group, axis, tuple(x.shape), x.dtype)
+
+
+def group_codes(gp: GroupPacked) -> torch.Tensor:
+    """The unpacked integer codes [..., n/G, G] (int64)."""
+    return unpack_bits(gp.codes, gp.nbits, gp.group)
+
+
+def dequantize_groups(gp: GroupPacked) -> torch.Tensor:
+    """x_hat = q * s + mn with the stored fp16 s and mn, in the original shape and dtype."""
+    q = group_codes(gp).float()
+    xg = q * gp.scale.float()[..., None] + gp.minimum.float()[..., None]
+    xm = xg.reshape(*xg.shape[:-2], -1)
+    return xm.movedim(-1, gp.axis).to(gp.dtype)
+
+
+def fake_quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int = -1) -> torch.Tensor:
+    """Quantize then dequantize (the value attention reads)."""
+    return dequantize_groups(quantize_groups(x, bits, group, axis))
+
+
+def nominal_group_bits(n_elements: int, bits: int, group: int) -> int:
+    """Bits of ``n_elements`` quantized in groups of ``group``: codes plus 32 per group."""
+    return n_elements * bits + (n_elements // group) * 32

@@ -1,0 +1,359 @@
+"""KIVI: tuning-free asymmetric 2-bit KV-cache quantization with a full-precision residual window.
+
+Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu, "KIVI: A Tuning-Free Asymmetric 2bit Quantization
+for KV Cache", ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI. Specification: METHODS.md §2
+(quantizer §1.1, regimes §1.3, budget map §8).
+
+* Keys **post-RoPE**, per-channel: for each KV head and channel, groups of ``G`` consecutive tokens
+  aligned at multiples of ``G`` from position 0 share (s, mn) (§2.2). Values per-token: groups of
+  ``G_v`` consecutive channels of one token. Asymmetric min-max, fp16 (s, mn)
+  (:mod:`methods.groupquant`).
+* Residual ``R`` (§2.3): for query position t, **key s is read quantized iff s < R*floor(t/R)**,
+  **value s iff s < t - R**. After n tokens the stored cache holds keys 0..R*floor(n/R)-1 and values
+  0..n-R-1 as packed codes, the rest at full precision. ``prefill=True``: exact attention, then that
+  storage rule with n = P. ``prefill=False``: a chunk of T new tokens is attended with the per-query
+  mix of §2.3 (logits_ts from k_hat_s or k_s, outputs from v_hat_s or v_s), vectorized; it equals T
+  single-token steps.
+* bpd (§2.4): bpd_K(T) = [(T - n_K)(b + 32/G) + 16 n_K]/T, n_K = T mod R;
+  bpd_V(T) = [(T - n_V)(b_v + 32/G_v) + 16 n_V]/T, n_V = min(T, R). Measured by ``stored_bits``.
+
+Decisions where METHODS.md is silent:
+
+* **Budget mapping** (``configure``): among b in {1,2,3,4,8}, G in {32,64,128} (R a multiple of G
+  for keys; G_v <= d and d a multiple of G_v for values) take the **largest asymptotic nominal
+  b + 32/G <= target** (2.0 -> (1,32), 2.25 -> (2,128), 3.0 -> (2,32), 4.0 -> (3,32)). The fp16
+  residual share depends on T, so it is not part of the mapping and is reported by the measured bpd
+  (and by ``nominal_bpd(T)``). Below the floor (1.25 at b=1, G=128) -> :class:`Unsupported`.
+* Explicit options override the mapping: ``bits``/``group`` fix those knobs (the other one is
+  chosen by the rule, or defaults to b=2 / G=32 with no target). ``group`` and ``v_group``
+  default to ``None`` (= chosen by ``configure``; 32 when nothing else decides) rather than 32, so that the
+  (2, 128) point of §8 is reachable. With no key target and no ``bits``: KIVI-2 (b=2, G=32).
+* Values: ``bpd_v=None`` and ``v_bits=None`` -> values are kept exactly (16 bits, no quantization).
+  ``v_bits`` given -> values quantized even without a target. ``v_group`` separate from ``group``
+  (one target per side; KIVI's code shares one group size, so pass ``v_group=group`` to mimic it).
+* Full-precision tokens are kept in the model's dtype (fp16/bf16 on a GPU; a float32 CPU model keeps
+  float32, like :class:`methods.codec_state.ExactCodec`) and counted 16 bits per element.
+* The decoded quantized keys/values are kept as a working copy for attention (a fused kernel would
+  dequantize on the fly); only the packed codes, fp16 scales/minima and the residual count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import causal_attention
+from .base import KVMethod, LayerState, Unsupported
+from .groupquant import GroupPacked, dequantize_groups, quantize_groups
+
+BITS_GRID = (1, 2, 3, 4, 8)
+GROUP_GRID = (32, 64, 128)
+DEFAULT_BITS = 2
+DEFAULT_GROUP = 32
+_EPS = 1e-9
+
+
+def grid_choice(
+    target: float | None,
+    *,
+    bits: int | None = None,
+    group: int | None = None,
+    max_group: int | None = None,
+    divides: int | None = None,
+    side: str = "bpd",
+    method: str = "kivi",
+) -> tuple[int, int]:
+    """(b, G) with the largest b + 32/G <= target over the knob grid (fixed knobs stay fixed).
+
+    ``max_group``: G <= this (values: G <= d); ``divides``: G must divide it (keys: R;
+    values: d)."""
+    if target is None:
+        return (bits or DEFAULT_BITS), (group or DEFAULT_GROUP)
+    cands = []
+    for b in (bits,) if bits is not None else BITS_GRID:
+        for g in (group,) if group is not None else GROUP_GRID:
+            if max_group is not None and group is None and g > max_group:
+                continue
+            if divides is not None and group is None and divides % g:
+                continue
+            cands.append((b + 32.0 / g, b, g))
+    if not cands:
+        raise Unsupported(f"{method}: no group size in {GROUP_GRID} fits ({side})")
+    fit = [c for c in cands if c[0] <= target + _EPS]
+    if not fit:
+        lo = min(c[0] for c in cands)
+        raise Unsupported(
+            f"{method}: {side}={target} is below the reachable range: b + 32/G >= {lo:g} "
+            f"(b in {BITS_GRID if bits is None else (bits,)}, G in "
+            f"{sorted({c[2] for c in cands})}), plus the fp16 residual share"
+        )
+    _, b, g = max(fit)
+    return b, g
+
+
+#: largest [B, Hq, Tq, N] logit block materialized at once (float32 elements)
+MAX_LOGIT_ELEMENTS = 1 << 26
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, Tq, d] (float32) x k [B, Hkv, n, d] -> [B, Hq, Tq, n], GQA without copying k
+    (query head h reads KV head h // g, as :func:`methods.attention.expand_kv`)."""
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    out = q.reshape(b, hkv, (hq // hkv) * tq, d) @ k.float().transpose(-1, -2)
+    return out.reshape(b, hq, tq, k.shape[2])
+
+
+def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p [B, Hq, Tq, n] x v [B, Hkv, n, d] -> [B, Hq, Tq, d]."""
+    b, hq, tq, n = p.shape
+    hkv = v.shape[1]
+    out = p.reshape(b, hkv, (hq // hkv) * tq, n) @ v.float()
+    return out.reshape(b, hq, tq, v.shape[3])
+
+
+def _tail(q, prefix, ex, hat, mask, fn):
+    """[fn(prefix) | where(mask, fn(hat), fn(ex))] along the key axis."""
+    parts = [] if prefix is None or prefix.shape[2] == 0 else [fn(q, prefix)]
+    if hat is None:
+        parts.append(fn(q, ex))
+    else:
+        parts.append(torch.where(mask, fn(q, hat), fn(q, ex)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def mixed_attention(q, kp, k_ex, k_hat, key_mask, vp, v_ex, v_hat, val_mask, scaling):
+    """Causal attention of the last Tq positions over N keys where each (query, key) pair reads
+    the quantized or the exact version (METHODS.md §2.3).
+
+    Keys: ``kp`` [B, Hkv, pk, d] a prefix every query reads quantized (or None), then the tail
+    positions pk..N-1 in both versions ``k_ex``/``k_hat`` with ``key_mask`` [Tq, N-pk], True =
+    read ``k_hat`` (``k_hat=None``: tail exact). Values alike with their own prefix length.
+    Query i sits at position N - Tq + i. Long chunks are processed in blocks of queries so that no
+    logit block exceeds ``MAX_LOGIT_ELEMENTS`` (exact; blocks, not a loop over tokens)."""
+    tq = q.shape[2]
+    pk = 0 if kp is None else kp.shape[2]
+    pv = 0 if vp is None else vp.shape[2]
+    n = pk + k_ex.shape[2]
+    blk = max(1, MAX_LOGIT_ELEMENTS // max(1, q.shape[0] * q.shape[1] * n))
+    qf = q.float()
+    outs = []
+    for i in range(0, tq, blk):
+        j = min(i + blk, tq)
+        m = n - tq + j  # keys visible to the block's last query (m > pk, pv)
+        logits = _tail(
+            qf[:, :, i:j], kp, k_ex[:, :, : m - pk],
+            None if k_hat is None else k_hat[:, :, : m - pk],
+            None if key_mask is None else key_mask[i:j, : m - pk], _logits,
+        )
+        qpos = torch.arange(n - tq + i, n - tq + j, device=q.device)[:, None]
+        causal = torch.arange(m, device=q.device)[None, :] <= qpos
+        probs = torch.softmax((logits * scaling).masked_fill(~causal, float("-inf")), dim=-1)
+        pieces = [] if pv == 0 else [_weighted(probs[..., :pv], vp)]
+        pt = probs[..., pv:]
+        if v_hat is None:
+            pieces.append(_weighted(pt, v_ex[:, :, : m - pv]))
+        else:
+            vm = val_mask[i:j, : m - pv].to(pt.dtype)
+            pieces.append(_weighted(pt * (1 - vm), v_ex[:, :, : m - pv]))
+            pieces.append(_weighted(pt * vm, v_hat[:, :, : m - pv]))
+        outs.append(sum(pieces))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=2)
+
+
+class Growing:
+    """Append-only [B, H, n, d] working tensor with amortized O(1) appends along the token axis
+    (12.5 % spare capacity), so a decode step does not copy the whole cache."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+        self.n = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        t = x.shape[2]
+        if self._buf is None or self.n + t > self._buf.shape[2]:
+            cap = self.n + t if self._buf is None else self.n + t + max(64, (self.n + t) // 8)
+            buf = x.new_empty(x.shape[0], x.shape[1], cap, x.shape[3])
+            if self._buf is not None:
+                buf[:, :, : self.n] = self._buf[:, :, : self.n]
+            self._buf = buf
+        self._buf[:, :, self.n : self.n + t] = x
+        self.n += t
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        return None if self._buf is None else self._buf[:, :, : self.n]
+
+
+@dataclass
+class _SideStore:
+    """One side (K or V) of the cache: packed quantized prefix + full-precision tail."""
+
+    packed: list = field(default_factory=list)
+    hat: Growing = field(default_factory=Growing)  # decoded quantized prefix (working copy)
+    res: torch.Tensor | None = None  # full-precision tail
+
+    @property
+    def n_quant(self) -> int:
+        return self.hat.n
+
+    def bits(self) -> int:
+        tail = 0 if self.res is None else self.res.numel() * 16
+        return sum(p.bits() for p in self.packed) + tail
+
+
+def _advance(store: _SideStore, x_new, n_quant_new, quantize):
+    """Append ``x_new`` and quantize up to position ``n_quant_new``. Returns the positions
+    [n_quant_old, N) in both versions, (x_hat, x_exact), for the attention mix."""
+    tail = _cat(store.res, x_new)
+    m = n_quant_new - store.n_quant
+    hat_tail = tail
+    if m > 0:
+        gp: GroupPacked = quantize(tail[:, :, :m])
+        store.packed.append(gp)
+        newhat = dequantize_groups(gp).to(tail.dtype)
+        hat_tail = torch.cat([newhat, tail[:, :, m:]], dim=2)
+        store.hat.append(newhat)
+    store.res = tail[:, :, max(m, 0) :]
+    return hat_tail, tail
+
+
+@dataclass
+class KiviLayerState(LayerState):
+    bits: int
+    group: int
+    residual: int
+    v_bits: int | None
+    v_group: int | None
+    k: _SideStore = field(default_factory=_SideStore)
+    v: _SideStore = field(default_factory=_SideStore)
+    v_exact: Growing = field(default_factory=Growing)  # values when they are not quantized
+    _seen: int = 0
+
+    def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
+        if prefill and self._seen:
+            raise ValueError("prefill must be the first call on a layer state")
+        n0, t = self._seen, k.shape[2]
+        n = n0 + t
+        r = self.residual
+        kp, vp = self.k.hat.data, self.v.hat.data  # read quantized by every new query
+        k_hat_t, k_ex_t = _advance(
+            self.k, k, r * (n // r), lambda x: quantize_groups(x, self.bits, self.group, axis=2)
+        )
+        if self.v_bits is None:
+            self.v_exact.append(v)
+        else:
+            vg = self.v_group or min(self.group, v.shape[-1])
+            v_hat_t, v_ex_t = _advance(
+                self.v, v, max(0, n - r), lambda x: quantize_groups(x, self.v_bits, vg, axis=3)
+            )
+        self._seen = n
+        if prefill:
+            return causal_attention(q, k, v, scaling)
+        tpos = torch.arange(n0, n, device=q.device)[:, None]
+        pk = 0 if kp is None else kp.shape[2]
+        key_mask = torch.arange(pk, n, device=q.device)[None, :] < r * torch.div(
+            tpos, r, rounding_mode="floor"
+        )
+        if self.v_bits is None:
+            return mixed_attention(
+                q, kp, k_ex_t, k_hat_t, key_mask, None, self.v_exact.data, None, None, scaling
+            )
+        pv = 0 if vp is None else vp.shape[2]
+        val_mask = torch.arange(pv, n, device=q.device)[None, :] < tpos - r
+        return mixed_attention(
+            q, kp, k_ex_t, k_hat_t, key_mask, vp, v_ex_t, v_hat_t, val_mask, scaling
+        )
+
+    def stored_bits(self):
+        if self.v_bits is None:
+            return self.k.bits(), self.v_exact.n * _row(self.v_exact) * 16
+        return self.k.bits(), self.v.bits()
+
+    @property
+    def n_seen(self):
+        return self._seen
+
+
+def _row(g: Growing) -> int:
+    """Elements per token of a growing buffer (B * H * d)."""
+    d = g.data
+    return 0 if d is None else d.shape[0] * d.shape[1] * d.shape[3]
+
+
+def kivi_bpd(n_tokens: int, bits: int, group: int, n_full: int) -> float:
+    """§2.4: [(T - n_full)(b + 32/G) + 16 n_full] / T."""
+    t = n_tokens
+    return ((t - n_full) * (bits + 32.0 / group) + 16.0 * n_full) / t
+
+
+@dataclass
+class Kivi(KVMethod):
+    """KIVI (Liu et al., ICML 2024, arXiv 2402.02750), METHODS.md §2; see the module docstring.
+
+    bits/group: key bits and token-group size; v_bits/v_group: value bits and channel-group size
+    (None = chosen by ``configure``; values exact when neither ``bpd_v`` nor ``v_bits`` is given);
+    residual: R, the full-precision window (a multiple of the key group). ``configure`` leaves these
+    options untouched and records its choice in ``knobs()``."""
+
+    name = "kivi"
+
+    bits: int | None = None
+    v_bits: int | None = None
+    group: int | None = None
+    v_group: int | None = None
+    residual: int = 128
+
+    def configure(self, shape, bpd_k, bpd_v):
+        d = shape.head_dim
+        kb, kg = grid_choice(
+            bpd_k, bits=self.bits, group=self.group, divides=self.residual, side="bpd"
+        )
+        vb = vg = None
+        if bpd_v is not None or self.v_bits is not None:
+            vb, vg = grid_choice(
+                bpd_v, bits=self.v_bits, group=self.v_group, max_group=d, divides=d, side="v_bpd"
+            )
+        self._resolved = (kb, kg, vb, vg)
+        self._check()
+
+    def _knobs(self) -> tuple[int, int, int | None, int | None]:
+        resolved = getattr(self, "_resolved", None)
+        if resolved is None:  # not configured: the explicit options, KIVI-2 defaults otherwise
+            resolved = (
+                self.bits or DEFAULT_BITS,
+                self.group or DEFAULT_GROUP,
+                self.v_bits,
+                self.v_group if self.v_bits is not None else None,
+            )
+        return resolved
+
+    def _check(self):
+        kb, kg, vb, _ = self._knobs()
+        for name, b in (("bits", kb), ("v_bits", vb)):
+            if b is not None and not (isinstance(b, int) and 1 <= b <= 8):
+                raise ValueError(f"kivi: {name} must be an integer in 1..8, got {b!r}")
+        if self.residual < 1 or self.residual % kg:
+            raise ValueError(f"kivi: residual {self.residual} must be a multiple of group {kg}")
+
+    def new_layer_state(self, layer):
+        self._check()
+        kb, kg, vb, vg = self._knobs()
+        return KiviLayerState(kb, kg, self.residual, vb, vg)
+
+    def knobs(self):
+        kb, kg, vb, vg = self._knobs()
+        return {"bits": kb, "group": kg, "residual": self.residual, "v_bits": vb, "v_group": vg}
+
+    def nominal_bpd(self, n_tokens):
+        t = n_tokens
+        kb, kg, vb, vg = self._knobs()
+        bpd_k = kivi_bpd(t, kb, kg, t % self.residual)
+        if vb is None:
+            return bpd_k, 16.0
+        return bpd_k, kivi_bpd(t, vb, vg or kg, min(t, self.residual))

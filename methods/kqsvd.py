@@ -1,0 +1,185 @@
+"""KQ-SVD harness baseline: logit-optimal low-rank keys + fixed-step quantization.
+
+KQ-SVD: Lesens, Rakhshan, Rabusseau, arXiv 2512.05916, AISTATS 2026 (DamienLesens/KQ-SVD,
+``process_cache.py::compute_proj_KQT_mem``). METHODS.md §4.1 (objective), §4.2 (harness
+baseline), §4.3 (budget); values as KV-COBRA (§5.8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import KVMethod, ModelShape, Unsupported
+from .cobra import key_moments, key_spectra
+from .cobra_alloc import Q_MODELS, prefix_terms
+from .codec_state import CodecLayerState, ExactCodec
+from .gaussquant import optimal_step
+from .latent_codec import LatentKeyCodec, build_value_codecs, value_plan
+
+RIDGE_START = 1e-12  # relative to mean(diag): first ridge tried when a Cholesky factorization fails
+
+
+def cholesky_ridge(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower Cholesky factors of SPD matrices [..., d, d] (float64). A matrix that is not numerically
+    positive definite gets a ridge eps * mean(diag) * I, eps = 1e-12, 1e-11, ... until it factors.
+    Returns (L, ridge / mean(diag) per matrix)."""
+    m = m.to(torch.float64)
+    scale = torch.diagonal(m, dim1=-2, dim2=-1).mean(-1).clamp(min=1e-300)
+    ridge = torch.zeros_like(scale)
+    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    chol, info = torch.linalg.cholesky_ex(m)
+    eps = RIDGE_START
+    while bool((info != 0).any()):
+        bad = info != 0
+        ridge = torch.where(bad, eps * scale, ridge)
+        chol, info = torch.linalg.cholesky_ex(m + ridge[..., None, None] * eye)
+        eps *= 10.0
+        if eps > 1.0:
+            raise ValueError("matrix too far from positive definite for a Cholesky factorization")
+    return chol, ridge / scale
+
+
+def kq_factors(key_gram: torch.Tensor, query_gram: torch.Tensor, rank: int):
+    """§4.1 from Gram matrices K^T K and Q^T Q [..., d, d]: R_K = L_K^T, R_Q = L_Q^T (Cholesky, so
+    K = Q_K R_K without T x d storage); SVD R_K R_Q^T = U S V; A = R_Q^T V^T S^-1 [:, :r] (down),
+    B = R_K^T U[:, :r] (up). Returns (A, B, S) with A, B [..., d, r], S [..., d] (all singular
+    values) and the relative ridge [...] that either factorization needed: B^T A = I_r and
+    (Q B)(K A)^T is the best rank-r approximation of Q K^T."""
+    lk, ridge_k = cholesky_ridge(key_gram)
+    lq, ridge_q = cholesky_ridge(query_gram)
+    u, s, vh = torch.linalg.svd(lk.transpose(-1, -2) @ lq)
+    a = lq @ vh[..., :rank, :].transpose(-1, -2) / s[..., None, :rank]
+    b = lk @ u[..., :, :rank]
+    return a, b, s, torch.maximum(ridge_k, ridge_q)
+
+
+def candidates(target: float, d: int) -> list[tuple[int, int]]:
+    """(r, b) with r * b = target * d, r even in [2, d], b in 2..8 (§4.3), r ascending."""
+    out = []
+    for b in range(2, 9):
+        r = target * d / b
+        if abs(r - round(r)) < 1e-9 and round(r) % 2 == 0 and 2 <= round(r) <= d:
+            out.append((int(round(r)), b))
+    return sorted(out)
+
+
+@dataclass
+class KQSVD(KVMethod):
+    """KQ-SVD (Lesens, Rakhshan, Rabusseau, arXiv 2512.05916, AISTATS 2026) as the harness
+    baseline of METHODS.md §4.2: pre-RoPE keys only, queries untouched.
+
+    Per KV head (§4.1, GQA: the group's queries stacked, i.e. Q^T Q = n g M_Q): A, B from Cholesky
+    factors of n Sigma_K (centered keys) and n M_Q; online c = A^T (k - mu_K), quantized with the
+    fixed-step quantizer (§1.1) at b bits, k_hat = mu_K + B c_hat, then RoPE. One global (r, b),
+    r even, b in 2..8, r b = bpd_K d (§4.3), chosen by the minimum summed proxy
+    sum_h D(r, b) = sum_h [sum_{i>r} w_i + q(b) sum_{i<=r} w_i] (§5.3 with KL weights). Values as
+    KV-COBRA (§5.8). Unsupported when no (r, b) matches the target.
+
+    Decisions where METHODS.md is silent:
+
+    * Ridge: a Gram matrix that fails Cholesky gets eps * mean(diag) * I, eps = 1e-12, 1e-11, ...
+      (logged per run as the largest relative ridge).
+    * Latent variance: diag(A^T Sigma_K A) = 1/n exactly without ridge (R_K A = U_r, so the latents
+      K A are decorrelated and equal-variance); the steps use this per-coordinate variance computed
+      from Sigma_K itself, which stays exact when a ridge was needed.
+    * ``proxy="eig"`` (default, literal §4.3): KL weights sigma_Q,i^2 lambda_i in the key eigenbasis;
+      ``proxy="kq"``: w_i = S_i^2 / n^2, the exact logit-error weights in KQ-SVD's own basis.
+      ``q_model`` "seed" | "gauss" as in KV-COBRA. Ties go to the smaller r.
+    * ``centered=False``: Sigma = E[k k^T], mu = 0 (as KV-COBRA's ``--uncentered``).
+    * ``quantize=False`` stores float32 latents (test mode).
+    """
+
+    name: ClassVar[str] = "kqsvd"
+    needs_calibration: ClassVar[bool] = True
+    seeded: ClassVar[bool] = True  # random signs of the value rotation
+
+    q_model: str = "seed"
+    proxy: str = "eig"
+    centered: bool = True
+    v_quant: str = "hadamard"
+    v_group: int = 32
+    v_centered: bool = False
+    quantize: bool = True
+
+    def __post_init__(self):
+        if self.q_model not in Q_MODELS or self.proxy not in ("eig", "kq"):
+            raise ValueError(f"kqsvd: q_model in {tuple(Q_MODELS)}, proxy in ('eig', 'kq')")
+        self._shape: ModelShape | None = None
+        self._cands: list | None = None
+        self._rb: tuple[int, int] | None = None
+        self._v_bits: int | None = None
+        self._v_nominal = 16.0
+        self._k_codecs: list | None = None
+        self._v_codecs: list | None = None
+        self._knobs: dict = {}
+
+    def configure(self, shape, bpd_k, bpd_v):
+        self._shape = shape
+        d = shape.head_dim
+        if bpd_k is None or bpd_k == 16:
+            self._cands = None
+        else:
+            self._cands = candidates(float(bpd_k), d)
+            if not self._cands:
+                raise Unsupported(f"kqsvd: no (r even <= {d}, b in 2..8) with r*b = {bpd_k}*{d}")
+        self._v_bits, self._v_nominal = value_plan(bpd_v, self.v_quant, self.v_group, d)
+        self._knobs = {"target_bpd_k": bpd_k, "target_bpd_v": bpd_v, "candidates": self._cands}
+
+    def calibrate(self, stats, seed=0):
+        if self._shape is None:
+            raise RuntimeError("kqsvd: configure() before calibrate()")
+        self._v_codecs, vknobs = build_value_codecs(stats, self._v_bits, self.v_quant, self.v_group, seed, self.v_centered)
+        self._knobs.update(vknobs, seed=seed)
+        if self._cands is None:
+            self._k_codecs = [ExactCodec() for _ in stats]
+            return
+        hkv, d = self._shape.n_kv_heads, self._shape.head_dim
+        mu, cov, mq = key_moments(stats, self.centered)
+        n_tok = torch.tensor([float(s.n_tokens) for s in stats for _ in range(hkv)], dtype=torch.float64)
+        a, b, s, ridge = kq_factors(cov * n_tok[:, None, None], mq * n_tok[:, None, None], d)
+
+        if self.proxy == "kq":
+            w = s**2 / n_tok[:, None] ** 2
+        else:
+            w = key_spectra(stats, "kl", self.centered, "plain")[4]
+        tail, head = prefix_terms(w)
+        q = Q_MODELS[self.q_model]
+        scores = [float((tail[:, r] + q(torch.tensor(float(bb), dtype=torch.float64)) * head[:, r]).sum())
+                  for r, bb in self._cands]
+        r, bits = self._cands[scores.index(min(scores))]  # first minimum: candidates ascend in r
+        self._rb = (r, bits)
+
+        a, b = a[..., :r], b[..., :r]
+        var = torch.einsum("ndr,nde,ner->nr", a, cov, a)
+        step = optimal_step(bits) * torch.sqrt(var.clamp(min=1e-300))
+        self._k_codecs = []
+        for layer in range(self._shape.n_layers):
+            sl = slice(layer * hkv, (layer + 1) * hkv)
+            self._k_codecs.append(LatentKeyCodec(
+                mu[sl], a[sl].transpose(-1, -2), b[sl].transpose(-1, -2), step[sl],
+                torch.full((hkv, r), bits, dtype=torch.long), quantize=self.quantize,
+            ))
+        spread = var * n_tok[:, None]
+        self._knobs.update({
+            "rank": r, "bits": bits, "proxy": self.proxy, "proxy_scores": dict(zip(map(str, self._cands), scores)),
+            "max_relative_ridge": float(ridge.max()),
+            "latent_var_times_n_range": [float(spread.min()), float(spread.max())],
+            "padding": "< 8 bits per layer per encode call (0 when T * H_kv * r * b % 8 == 0)",
+        })
+
+    def new_layer_state(self, layer):
+        if self._k_codecs is None or self._v_codecs is None:
+            raise RuntimeError("kqsvd: calibrate() before new_layer_state()")
+        return CodecLayerState(self._k_codecs[layer], self._v_codecs[layer])
+
+    def knobs(self):
+        return dict(self._knobs)
+
+    def nominal_bpd(self, n_tokens):
+        if self._cands is None:
+            return 16.0, self._v_nominal
+        r, b = self._rb if self._rb else self._cands[0]
+        return r * b / self._shape.head_dim, self._v_nominal

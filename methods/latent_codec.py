@@ -1,0 +1,231 @@
+"""Token-wise codecs shared by KV-COBRA and KQ-SVD (METHODS.md §4.2, §5.7, §5.8).
+
+* :class:`LatentKeyCodec` (pre-RoPE keys): per KV head ``c = E (k - mu)`` (E = encoder rows
+  [r_h, d]), fixed-step quantization of coordinate j with its own step and bit width (§1.1),
+  ``k_hat = mu + D^T c_hat`` (D = decoder rows; D = E for KV-COBRA, B^T for KQ-SVD). Heads of one
+  layer have different ranks; the parameters are zero-padded to the layer's largest rank and the
+  padded coordinates carry 0 bits.
+* :class:`RotatedValueCodec` (§5.8): ``v' = H_d D_s (v - mu)`` (normalized Hadamard, random signs),
+  one global integer width b_V with step s*(b_V) sigma_V per head.
+* :class:`KiviValueCodec` (§5.8 ablation): KIVI per-token groups of G channels, asymmetric min-max,
+  fp16 scale and minimum (:mod:`methods.groupquant`); bpd_V = b + 32/G.
+
+Packing (what ``bits`` counts): the codes of one encode call form one bit stream, row-major over
+tokens (batch, then position), then heads, then coordinates, each code with exactly its width
+(:func:`methods.gaussquant.pack_codes`). A token of a layer therefore costs exactly
+``sum_h B_h`` bits and is addressable at offset ``t * sum_h B_h`` without per-token alignment; the
+only padding is the last partial byte of each call's stream (< 8 bits per layer and call: 0 in one
+teacher-forced pass whenever ``T * sum_h B_h`` is a multiple of 8, at most 7 bits per decoded token
+and layer otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import LayerStats, Unsupported
+from .codec_state import Codec, ExactCodec
+from .gaussquant import dequantize, optimal_step, pack_codes, quantize, unpack_codes
+from .groupquant import dequantize_groups, quantize_groups
+from .hadamard import haar_orthogonal, hadamard, random_signs
+
+
+def sub_seed(seed: int, layer: int, head: int, salt: int) -> int:
+    """A deterministic per-(layer, head, use) seed derived from the run seed."""
+    return (int(seed) * 1_000_003 + layer * 10_007 + head * 101 + salt) % (2**62)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _on(cache: dict, tensors: tuple, device, dtype) -> tuple:
+    """``tensors`` moved to ``device`` (floating ones cast to ``dtype``), cached per (device, dtype)."""
+    key = (str(device), dtype)
+    if key not in cache:
+        cache[key] = tuple(t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device) for t in tensors)
+    return cache[key]
+
+
+@dataclass
+class PackedCodes:
+    """One encode call: ``data`` the uint8 stream (or float latents when not quantizing)."""
+
+    data: torch.Tensor
+    shape: tuple  # (B, H, T, d) of the encoded block
+    dtype: torch.dtype  # arithmetic dtype (float64 for float64 inputs, else float32)
+    raw: bool = False
+
+
+class LatentKeyCodec(Codec):
+    """Projection + per-coordinate fixed-step quantization of pre-RoPE keys (see module doc).
+
+    mu [H, d]; enc, dec [H, r, d]; step [H, r]; width [H, r] (0 = padding). ``quantize=False``
+    stores the float latents (a test mode, counted at 32 bits per latent)."""
+
+    pre_rope = True
+
+    def __init__(self, mu, enc, dec, step, width, quantize: bool = True):
+        self.mu = mu.to(torch.float64)
+        self.enc = enc.to(torch.float64)
+        self.dec = dec.to(torch.float64)
+        self.step = step.to(torch.float64)
+        self.width = width.long()
+        self.slots = self.width.numel()  # H * r_max latent slots, padded ones have 0 bits
+        self.active = torch.nonzero(self.width.reshape(-1) > 0).reshape(-1)  # index: no device sync
+        self.widths = self.width.reshape(-1)[self.active]
+        self.steps = self.step.reshape(-1)[self.active]
+        self.quantize = quantize
+        self._cache: dict = {}
+
+    @classmethod
+    def from_heads(cls, mu, heads, quantize: bool = True) -> "LatentKeyCodec":
+        """One layer from per-head (P [r_h, d], steps [r_h], widths [r_h]) with P both encoder and
+        decoder (orthonormal rows), zero-padded to the largest r_h."""
+        d = mu.shape[-1]
+        rmax = max(p.shape[0] for p, _, _ in heads)
+        enc = torch.zeros(len(heads), rmax, d, dtype=torch.float64)
+        step = torch.ones(len(heads), rmax, dtype=torch.float64)
+        width = torch.zeros(len(heads), rmax, dtype=torch.long)
+        for j, (p, s, w) in enumerate(heads):
+            r = p.shape[0]
+            enc[j, :r], step[j, :r], width[j, :r] = p, s, w
+        return cls(mu, enc, enc, step, width, quantize=quantize)
+
+    def _params(self, device, dtype):
+        return _on(self._cache, (self.mu, self.enc, self.dec, self.steps, self.widths, self.active), device, dtype)
+
+    def encode(self, x):
+        b, h, t, d = x.shape
+        dt = _compute_dtype(x)
+        mu, enc, _, steps, widths, active = self._params(x.device, dt)
+        c = torch.einsum("bhtd,hrd->bthr", x.to(dt) - mu[None, :, None, :], enc)
+        flat = c.reshape(b * t, -1).index_select(1, active)
+        if not self.quantize:
+            return PackedCodes(flat, (b, h, t, d), dt, raw=True)
+        return PackedCodes(pack_codes(quantize(flat, steps, widths), self.widths), (b, h, t, d), dt)
+
+    def decode(self, packed):
+        b, h, t, d = packed.shape
+        dt = packed.dtype
+        mu, _, dec, steps, widths, active = self._params(packed.data.device, dt)
+        if packed.raw:
+            c_act = packed.data
+        else:
+            codes = unpack_codes(packed.data, self.widths, b * t)
+            c_act = dequantize(codes, steps, widths)
+        c = torch.zeros(b * t, self.slots, dtype=dt, device=packed.data.device)
+        c[:, active] = c_act
+        c = c.reshape(b, t, h, self.slots // h)
+        return mu[None, :, None, :] + torch.einsum("bthr,hrd->bhtd", c, dec)
+
+    def bits(self, packed):
+        return packed.data.numel() * (32 if packed.raw else 8)
+
+
+class RotatedValueCodec(Codec):
+    """§5.8: v' = rot_h (v - mu_h) with rot_h = H_d D_s / sqrt(d); b bits, step step_h per head."""
+
+    def __init__(self, rot, step, bits: int, mu):
+        self.rot = rot.to(torch.float64)  # [H, d, d]
+        self.step = step.to(torch.float64)  # [H]
+        self.nbits = int(bits)
+        self.mu = mu.to(torch.float64)  # [H, d]
+        self._cache: dict = {}
+
+    def _params(self, device, dtype):
+        return _on(self._cache, (self.rot, self.step, self.mu), device, dtype)
+
+    def encode(self, x):
+        b, h, t, d = x.shape
+        dt = _compute_dtype(x)
+        rot, step, mu = self._params(x.device, dt)
+        y = torch.einsum("bhtd,hed->bhte", x.to(dt) - mu[None, :, None, :], rot)
+        codes = quantize(y, step[None, :, None, None], self.nbits).reshape(-1, d)
+        widths = torch.full((d,), self.nbits, dtype=torch.long)
+        return PackedCodes(pack_codes(codes, widths), (b, h, t, d), dt)
+
+    def decode(self, packed):
+        b, h, t, d = packed.shape
+        rot, step, mu = self._params(packed.data.device, packed.dtype)
+        widths = torch.full((d,), self.nbits, dtype=torch.long)
+        codes = unpack_codes(packed.data, widths, b * h * t).reshape(b, h, t, d)
+        y = dequantize(codes, step[None, :, None, None], self.nbits)
+        return mu[None, :, None, :] + torch.einsum("bhte,hed->bhtd", y, rot)
+
+    def bits(self, packed):
+        return packed.data.numel() * 8
+
+
+class KiviValueCodec(Codec):
+    """KIVI's per-token value quantizer without a residual window (every token on arrival)."""
+
+    def __init__(self, bits: int, group: int):
+        self.nbits, self.group = int(bits), int(group)
+
+    def encode(self, x):
+        return quantize_groups(x, self.nbits, self.group, axis=-1)
+
+    def decode(self, packed):
+        return dequantize_groups(packed)
+
+    def bits(self, packed):
+        return packed.bits()
+
+
+def orthogonal_mixer(d: int, seed: int) -> tuple[torch.Tensor, str]:
+    """H_d D_s / sqrt(d) when a Hadamard order d exists, else a seeded Haar-orthogonal matrix."""
+    h = hadamard(d)
+    if h is None:
+        return haar_orthogonal(d, seed), "haar"
+    return h / math.sqrt(d) * random_signs(d, seed)[None, :], "hadamard"
+
+
+def value_plan(bpd_v: float | None, v_quant: str, v_group: int, head_dim: int) -> tuple[int | None, float]:
+    """(b_V or None for 16-bit exact values, nominal bpd_V) for a value target; Unsupported if the
+    target is not reachable exactly (§5.8: one global integer b_V; KIVI: b + 32/G)."""
+    if bpd_v is None or bpd_v == 16:
+        return None, 16.0
+    if v_quant == "hadamard":
+        if float(bpd_v) != int(bpd_v) or not 1 <= int(bpd_v) <= 8:
+            raise Unsupported(f"values need an integer b_V in 1..8 (§5.8); got v_bpd={bpd_v}")
+        return int(bpd_v), float(int(bpd_v))
+    if v_quant == "kivi":
+        if head_dim % v_group:
+            raise Unsupported(f"KIVI value groups G={v_group} must divide head_dim={head_dim}")
+        b = float(bpd_v) - 32.0 / v_group
+        if abs(b - round(b)) > 1e-9 or not 1 <= round(b) <= 8:
+            raise Unsupported(f"KIVI values store b + 32/G = b + {32 / v_group:g} bits; v_bpd={bpd_v} has no integer b in 1..8")
+        return int(round(b)), float(bpd_v)
+    raise ValueError(f"v_quant must be 'hadamard' or 'kivi', got {v_quant!r}")
+
+
+def build_value_codecs(
+    stats: list[LayerStats], bits: int | None, v_quant: str, v_group: int, seed: int, centered: bool
+) -> tuple[list[Codec], dict]:
+    """One value codec per layer. Hadamard: sigma_V^2 = E||v - mu||^2 / d (mu = 0 unless centered)."""
+    if bits is None:
+        return [ExactCodec() for _ in stats], {"v_codec": "exact16"}
+    if v_quant == "kivi":
+        return [KiviValueCodec(bits, v_group) for _ in stats], {"v_codec": f"kivi(b={bits},G={v_group})"}
+    codecs, branches = [], set()
+    for layer, st in enumerate(stats):
+        mu_v, cov_v = st.mu_v.cpu().to(torch.float64), st.cov_v.cpu().to(torch.float64)
+        n_heads, d = mu_v.shape
+        energy = torch.diagonal(cov_v, dim1=-2, dim2=-1).sum(-1)
+        if centered:
+            mu = mu_v
+        else:
+            mu = torch.zeros_like(mu_v)
+            energy = energy + (mu_v**2).sum(-1)
+        sigma = torch.sqrt(energy / d).clamp(min=1e-30)
+        rots = []
+        for h in range(n_heads):
+            rot, branch = orthogonal_mixer(d, sub_seed(seed, layer, h, 1))
+            rots.append(rot)
+            branches.add(branch)
+        codecs.append(RotatedValueCodec(torch.stack(rots), optimal_step(bits) * sigma, bits, mu))
+    return codecs, {"v_codec": f"rotated(b={bits},{'/'.join(sorted(branches))},{'centered' if centered else 'uncentered'})"}

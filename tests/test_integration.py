@@ -1,0 +1,175 @@
+"""Methods inside a real transformers model (DESIGN.md §2, METHODS.md §1.3).
+
+The central invariant: the single teacher-forced pass (Q-all: perplexity track A, zero-shot) must
+give exactly what token-by-token decoding through the compressed cache gives. Every method but
+SnapKV (which has no single-pass form) is checked on a tiny random Llama with GQA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from kvbench.calibrate import collect_stats
+from kvbench.compressed_lm import CompressedLM, NotInPass
+from kvbench.integrate import attach, model_shape
+from methods import build_method
+from methods.fp16 import Fp16
+
+T = 80
+# (name, options, bpd, v_bpd): budgets that exercise each method's machinery on 80 tokens
+CASES = [
+    ("kivi", {"residual": 32, "group": 16, "v_group": 16}, 4.0, 3.0),
+    ("svdq", {"group": 16}, 2.0, None),
+    ("kqsvd", {}, 1.0, 4.0),
+    ("cobra_mse", {}, 1.0, None),
+    ("cobra_kl", {}, 0.5, 4.0),
+    ("cobra_kl", {"c2": False, "rotation": "none"}, 2.0, None),
+    ("h2o", {}, 4.0, None),
+]
+
+
+def _stats(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return collect_stats(model, torch.randint(0, 128, (4, 64), generator=g))
+
+
+def _method(model, name, options, bpd, v_bpd, stats):
+    method = build_method(name, **options)
+    method.configure(model_shape(model), bpd, v_bpd)
+    if method.needs_calibration:
+        method.calibrate(stats, seed=0)
+    return method
+
+
+def _step_by_step(comp, ids):
+    with comp.session():
+        return torch.cat([comp.forward(ids[:, t : t + 1], t, prefill=False) for t in range(ids.shape[1])], 1)
+
+
+@pytest.fixture(scope="module")
+def model_and_stats():
+    model = tiny_llama(seed=1)
+    return model, _stats(model)
+
+
+def test_fp16_state_path_is_bit_identical_to_the_unpatched_model(model_and_stats):
+    model, _ = model_and_stats
+    ids = torch.randint(0, 128, (1, T))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        comp = attach(model, Fp16())
+        try:
+            patched = model(input_ids=ids, use_cache=False).logits
+            stepped = _step_by_step(comp, ids)
+        finally:
+            comp.detach()
+        after = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(patched, ref)
+    assert (stepped - ref).abs().max() < 1e-5
+    assert torch.equal(after, ref)  # detach restores the model
+
+
+@pytest.mark.parametrize("name,options,bpd,v_bpd", CASES, ids=lambda x: str(x))
+def test_in_pass_equals_token_by_token_decoding(model_and_stats, name, options, bpd, v_bpd):
+    model, stats = model_and_stats
+    method = _method(model, name, options, bpd, v_bpd, stats)
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        comp = attach(model, method)
+        try:
+            in_pass = model(input_ids=ids, use_cache=False).logits
+            bpd_in_pass = comp.measured_bpd()
+            stepped = _step_by_step(comp, ids)
+            bpd_stepped = comp.measured_bpd()
+        finally:
+            comp.detach()
+    assert (in_pass - stepped).abs().max() < 1e-4
+    assert (in_pass - ref).abs().max() > 1e-3  # the method really changed the computation
+    assert bpd_in_pass == pytest.approx(bpd_stepped)
+
+
+@pytest.mark.parametrize("name,options,bpd,v_bpd", CASES[:2] + CASES[-1:], ids=lambda x: str(x))
+def test_prefill_then_chunk_equals_prefill_then_steps(model_and_stats, name, options, bpd, v_bpd):
+    """Track B scores its targets in one chunk; that must equal decoding them one by one."""
+    model, stats = model_and_stats
+    method = _method(model, name, options, bpd, v_bpd, stats)
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(3))
+    p = 50
+    with torch.no_grad():
+        comp = attach(model, method)
+        try:
+            with comp.session():
+                comp.forward(ids[:, :p], 0, prefill=True)
+                chunk = comp.forward(ids[:, p:], p, prefill=False)
+            with comp.session():
+                comp.forward(ids[:, :p], 0, prefill=True)
+                steps = torch.cat([comp.forward(ids[:, t : t + 1], t, prefill=False) for t in range(p, T)], 1)
+        finally:
+            comp.detach()
+    assert (chunk - steps).abs().max() < 1e-4
+
+
+def test_measured_bpd_of_a_codec_in_the_model(model_and_stats):
+    model, stats = model_and_stats
+    method = _method(model, "cobra_kl", {}, 1.0, 4.0, stats)
+    comp = attach(model, method)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, T)), use_cache=False)
+        k, v = comp.measured_bpd()
+    finally:
+        comp.detach()
+    assert k == pytest.approx(1.0, abs=1e-9) and v == pytest.approx(4.0, abs=1e-9)
+
+
+def test_snapkv_has_no_single_pass_but_scores_and_generates(model_and_stats):
+    model, _ = model_and_stats
+    method = _method(model, "snapkv", {"window": 8, "kernel": 3}, 4.0, None, None)
+    lm = CompressedLM(model, None, attach(model, method))
+    try:
+        ids = torch.randint(0, 128, (1, T))
+        with pytest.raises(NotInPass, match="prefill"):
+            lm.logits(ids)
+        logprobs = lm.score(ids[:, :60], ids[:, 60:])
+        assert logprobs.shape == (1, T - 60) and torch.isfinite(logprobs).all()
+        k, v = lm.measured_bpd
+        # C = max(W + 1, round(60 * 4/16)) = 15 prompt tokens kept, 19 decoded, 79 seen
+        assert k == v == pytest.approx(16 * (15 + 19) / 79)
+        assert len(lm.generate(ids[:, :60], 5)) == 5
+    finally:
+        lm.compressor.detach()
+
+
+def test_generation_matches_the_plain_model_for_fp16(model_and_stats):
+    model, _ = model_and_stats
+    ids = torch.randint(0, 128, (1, 20))
+    plain = CompressedLM(model, None).generate(ids, 8)
+    comp = attach(model, Fp16())
+    try:
+        ours = CompressedLM(model, None, comp).generate(ids, 8)
+    finally:
+        comp.detach()
+    assert ours == plain
+
+
+def test_batches_with_padding_are_refused(model_and_stats):
+    model, _ = model_and_stats
+    comp = attach(model, Fp16())
+    try:
+        with pytest.raises(ValueError, match="batch 1"):
+            CompressedLM(model, None, comp).logits(torch.zeros(2, 8, dtype=torch.long))
+    finally:
+        comp.detach()
+
+
+def test_attaching_twice_is_an_error(model_and_stats):
+    model, _ = model_and_stats
+    comp = attach(model, Fp16())
+    try:
+        with pytest.raises(RuntimeError, match="already attached"):
+            attach(model, Fp16())
+    finally:
+        comp.detach()
