@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import traceback
@@ -42,6 +43,13 @@ def get_model(mcfg, device: str) -> tuple[LoadedModel, float]:
         dtype=mcfg.get("dtype", "auto"),
     )
     return _MODELS[key], time.perf_counter() - t0
+
+
+def calibration_model_id(cfg: DictConfig, loaded: LoadedModel) -> str:
+    """What the cached statistics belong to: the model's weights (by source) and dtype."""
+    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
+    digest = hashlib.sha256(loaded.source.encode()).hexdigest()[:8]
+    return f"{cfg.model.name}-{digest}-{dtype}"
 
 
 def method_options(cfg: DictConfig) -> tuple[str, dict]:
@@ -151,7 +159,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
         if method.needs_calibration:
             spec = CalibrationSpec(**{**OmegaConf.to_container(cfg.calibration), "seed": int(cfg.seed)})
             stats, timings["calibrate_s"], hit = calibrate(
-                loaded.model, loaded.tokenizer, f"{cfg.model.name}", spec
+                loaded.model, loaded.tokenizer, calibration_model_id(cfg, loaded), spec
             )
             result["counts"]["calibration_cache_hit"] = hit
             t0 = time.perf_counter()

@@ -32,7 +32,7 @@ def build_method(name: str, **options) -> KVMethod:
     if name not in REGISTRY:
         raise KeyError(f"unknown method {name!r}; valid choices: {', '.join(REGISTRY)}")
     cls = REGISTRY[name]
-    fields = getattr(cls, "__dataclass_fields__", {})
+    fields = {k for k, f in getattr(cls, "__dataclass_fields__", {}).items() if f.init}
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise TypeError(

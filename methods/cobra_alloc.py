@@ -127,22 +127,24 @@ def renormalize(b: torch.Tensor, total: float, lo: float, hi: float) -> torch.Te
             break
         b = torch.where(free, b * (total - fixed) / s_free, b).clamp(lo, hi)
     if abs(float(b.sum()) - total) > 1e-6 * max(total, 1.0):
-        # every head clamped (or scaling stuck): spread the rest evenly over heads with room
+        # every head clamped (or scaling stuck): spread the rest in proportion to each head's room
         room = torch.where(b.sum() < total, hi - b, b - lo)
         b = b + torch.sign(total - b.sum()) * room * abs(total - float(b.sum())) / room.sum().clamp(min=1e-300)
     return b
 
 
-def largest_remainder(b: torch.Tensor, total: int) -> torch.Tensor:
-    """Round to integers keeping the sum: floors, then +1 to the largest remainders (lower index
-    first on ties)."""
-    base = torch.floor(b + 1e-9).long()
+def largest_remainder(b: torch.Tensor, total: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Round to integers in [lo, hi] keeping the sum: floors, then +1 to the largest remainders
+    (lower index first on ties), or -1 to the smallest when float error made the floors overshoot."""
+    hi = int(torch.ceil(b.max())) if hi is None else hi
+    base = torch.floor(b + 1e-9).long().clamp(lo, hi)
+    rem = b - base.to(b.dtype)
     short = int(total - base.sum())
     if short > 0:
-        order = torch.sort(-(b - base.to(b.dtype)), stable=True).indices
+        order = torch.sort(torch.where(base < hi, -rem, torch.full_like(rem, float("inf"))), stable=True).indices
         base[order[:short]] += 1
     elif short < 0:
-        order = torch.sort(b - base.to(b.dtype), stable=True).indices
+        order = torch.sort(torch.where(base > lo, rem, torch.full_like(rem, float("inf"))), stable=True).indices
         base[order[:-short]] -= 1
     return base
 
@@ -185,7 +187,7 @@ def c2_allocate(
             break
         b = torch.clamp(b + eta * bbar * (torch.sqrt(dist / dmean) - 1.0), min=lo)
         b = renormalize(b, total_bits, lo, hi)
-    return largest_remainder(b, total_bits)
+    return largest_remainder(b, total_bits, lo, hi)
 
 
 def distortion_table(

@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
+from pathlib import Path
 
 import torch
 
 from .text import c4_documents, corpus_text
 
 
-def encode(tokenizer, text: str) -> torch.Tensor:
-    """Tokenize a whole corpus once, without special tokens (GPTQ: no per-window BOS)."""
+def _token_cache() -> Path:
+    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench")) / "tokens"
+
+
+def encode(tokenizer, text: str, cache: bool = True) -> torch.Tensor:
+    """Tokenize a whole corpus, without special tokens (GPTQ: no per-window BOS).
+
+    Large corpora are cached on disk keyed by the tokenizer's vocabulary and the text's hash, so a
+    sweep tokenizes each corpus once."""
+    if not cache or len(text) < 100_000:
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    h = hashlib.sha256(text.encode("utf-8"))
+    h.update(repr((type(tokenizer).__name__, len(tokenizer), tokenizer.name_or_path)).encode())
+    path = _token_cache() / f"{h.hexdigest()[:24]}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(ids, tmp)
+    tmp.replace(path)
     return ids
 
 

@@ -1,0 +1,96 @@
+"""The job: Hydra config -> result.json (DESIGN.md §4), on a tiny checkpoint with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import REPO
+from kvbench.job import run_job
+
+FAST = [
+    "tasks=[ppl]",
+    "task.ppl.seqlen=64",
+    "task.ppl.datasets=[ptb]",
+    "limit=2",
+    "calibration.n_windows=2",
+    "calibration.seqlen=64",
+    "wandb.mode=disabled",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2):
+    """A random 2-layer Llama with SmolLM2's tokenizer, saved like any local checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return path
+
+
+def _job(tmp_path, checkpoint, *overrides):
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose("config", [f"model.path={checkpoint}", *FAST, *overrides])
+    result = run_job(cfg, tmp_path)
+    on_disk = json.loads((Path(tmp_path) / "result.json").read_text())
+    assert on_disk["status"] == result["status"]
+    return on_disk
+
+
+def test_default_method_writes_ok_result_with_measured_bpd(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    r = _job(tmp_path, tiny_checkpoint)
+    assert r["status"] == "ok", r["error"]
+    assert (r["method"], r["bpd"]["target_k"], r["bpd"]["target_v"]) == ("cobra_kl", 1.0, 16.0)
+    assert r["bpd"]["measured_k"] == pytest.approx(1.0) and r["bpd"]["measured_v"] == 16.0
+    assert r["metrics"]["ppl"]["ptb"] > 1 and r["counts"]["ppl_windows"] == {"ptb": 2}
+    assert r["timings"]["calibrate_s"] > 0 and r["versions"]["transformers"]
+    assert r["config"]["method"]["name"] == "cobra_kl"
+    # a second budget reuses the calibration statistics from disk
+    r2 = _job(tmp_path / "again", tiny_checkpoint, "bpd=0.5")
+    assert r2["counts"]["calibration_cache_hit"] is True
+
+
+def test_unreachable_budget_is_unsupported_not_a_crash(tmp_path, tiny_checkpoint):
+    r = _job(tmp_path, tiny_checkpoint, "method=kivi", "bpd=1.0")
+    assert r["status"] == "unsupported" and "reachable" in r["error"]
+    assert r["metrics"] == {}
+
+
+def test_snapkv_track_a_is_unsupported_and_track_b_runs(tmp_path, tiny_checkpoint):
+    r = _job(tmp_path / "a", tiny_checkpoint, "method=snapkv", "bpd=4")
+    assert r["status"] == "unsupported"
+    r = _job(tmp_path / "b", tiny_checkpoint, "method=snapkv", "bpd=4", "task.ppl.track=B",
+             "task.ppl.context=48", "method.window=8")
+    assert r["status"] == "ok", r["error"]
+    assert r["bpd"]["target_v"] == 4.0 and r["bpd"]["measured_k"] == r["bpd"]["measured_v"]
+
+
+def test_failure_is_recorded_with_traceback(tmp_path, tiny_checkpoint):
+    r = _job(tmp_path, tiny_checkpoint, "method=fp16", "bpd=null", "task.ppl.datasets=[nope]")
+    assert r["status"] == "failed" and "valid choices" in r["error"] and "Traceback" in r["error"]
+
+
+def test_finished_job_is_skipped_unless_rerun(tmp_path, tiny_checkpoint):
+    first = _job(tmp_path, tiny_checkpoint, "method=fp16", "bpd=null")
+    second = _job(tmp_path, tiny_checkpoint, "method=fp16", "bpd=null")
+    assert second["timings"] == first["timings"]  # not run again
+    third = _job(tmp_path, tiny_checkpoint, "method=fp16", "bpd=null", "rerun=true")
+    assert third["timings"] != first["timings"]
+
+
+def test_unknown_method_option_names_the_valid_ones(tmp_path, tiny_checkpoint):
+    r = _job(tmp_path, tiny_checkpoint, "method=h2o", "+method.heavy=0.1")
+    assert r["status"] == "failed" and "valid options" in r["error"]
