@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from .base import KVMethod, LayerState, LayerStats, ModelShape, Rope, Unsupported
 from .cobra import CobraKL, CobraMSE
 from .fp16 import Fp16
@@ -32,7 +34,7 @@ def build_method(name: str, **options) -> KVMethod:
     if name not in REGISTRY:
         raise KeyError(f"unknown method {name!r}; valid choices: {', '.join(REGISTRY)}")
     cls = REGISTRY[name]
-    fields = {k for k, f in getattr(cls, "__dataclass_fields__", {}).items() if f.init}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise TypeError(

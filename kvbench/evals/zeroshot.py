@@ -73,6 +73,15 @@ def resolve_offline(offline: str | bool) -> bool:
     return not hub_reachable()
 
 
+class _DropExpected(logging.Filter):
+    """HFLM warns on every construction from a model object, which is what we do on purpose."""
+
+    EXPECTED = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(s in record.getMessage() for s in self.EXPECTED)
+
+
 @contextlib.contextmanager
 def quiet_lm_eval(level: int = logging.WARNING):
     """lm-eval, datasets and transformers log at INFO and draw progress bars; keep warnings only."""
@@ -81,16 +90,19 @@ def quiet_lm_eval(level: int = logging.WARNING):
     names = ["lm_eval", "datasets", "transformers", "accelerate"]
     loggers = [logging.getLogger(n) for n in names]
     saved = [lg.level for lg in loggers]
-    # lm-eval's own setup_logging may have raised a handler on the root logger
+    hf_logger = logging.getLogger("lm_eval.models.huggingface")
+    expected = _DropExpected()
     bars = datasets.utils.logging.is_progress_bar_enabled()
     for lg in loggers:
-        lg.setLevel(max(level, lg.level or level))
+        lg.setLevel(max(level, lg.level))
+    hf_logger.addFilter(expected)
     datasets.utils.logging.disable_progress_bar()
     try:
         yield
     finally:
         for lg, lvl in zip(loggers, saved):
             lg.setLevel(lvl)
+        hf_logger.removeFilter(expected)
         if bars:
             datasets.utils.logging.enable_progress_bar()
 
