@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from methods import Unsupported, build_method
+from methods import REGISTRY, Unsupported, build_method
 
 from .calibrate import CalibrationSpec, calibrate
 from .compressed_lm import CompressedLM, NotInPass
+from .identity import is_done, job_id
 from .integrate import attach, model_shape
 from .models import LoadedModel, load_model
-from .results import FINISHED, RESULT_FILE, has_nonfinite, new_result, read_result, write_atomic
+from .results import RESULT_FILE, has_nonfinite, new_result, read_result, write_atomic
 from .summary import print_summary
 from .tracking import log_result
 
@@ -131,14 +132,37 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
 TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench}
 
 
-def run_job(cfg: DictConfig, out_dir: Path) -> dict:
+def redundant_seed(cfg: DictConfig) -> str | None:
+    """Why this job would only repeat seed 0, or None (issue 6: a method with nothing random runs
+    once per configuration and is reported with n=1).
+
+    Nothing is random in a method whose class has ``seeded = False`` and
+    ``needs_calibration = False`` (fp16, kivi, h2o, snapkv): seeds > 0 are skipped, no result.
+    """
+    seed, name = int(cfg.seed), cfg.method.get("name")
+    cls = REGISTRY.get(name)
+    if seed <= 0 or cls is None or cls.seeded or cls.needs_calibration:
+        return None
+    return f"seed {seed} skipped: {name} has nothing random"
+
+
+def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
+    """Run one job into ``out_dir/result.json``; None for a skipped redundant seed."""
     path = Path(out_dir) / RESULT_FILE
+    skip = redundant_seed(cfg)
+    if skip:
+        log.info(skip)
+        return None
+    jid = job_id(cfg)
     prior = read_result(path)
-    if prior is not None and prior.get("status") in FINISHED and not cfg.get("rerun", False):
-        log.info("skipping %s: already %s (rerun=true to redo)", out_dir, prior["status"])
+    if is_done(prior, jid) and not cfg.get("rerun", False):
+        log.info("skipping %s: already %s (job %s; rerun=true to redo)", out_dir, prior["status"], jid)
         return prior
+    log.info("job %s: running in %s%s", jid, out_dir,
+             f" (replacing a {prior.get('status')} result)" if prior is not None else "")
     name, options = method_options(cfg)
     result = new_result(cfg.model.name, name, int(cfg.seed), None, None)
+    result["job_id"] = jid
     result["config"] = OmegaConf.to_container(cfg, resolve=True)
     result["counts"] = {}
     timings = result["timings"]

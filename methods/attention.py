@@ -12,6 +12,12 @@ import torch
 import torch.nn.functional as F
 
 
+def work_dtype(x: torch.Tensor) -> torch.dtype:
+    """Arithmetic precision for attention and quantizers: float32, or float64 for float64 inputs
+    (so a float64 model can check exactness without float32 noise flipping a rounding)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """[B, Hkv, T, d] -> [B, Hkv*group, T, d] (query head h reads KV head h // group)."""
     if group == 1:
@@ -34,7 +40,8 @@ def attention_probs(
 
     Computed in float32 (the logits of a bf16 model are upcast, as HF's eager path does)."""
     group = q.shape[1] // k.shape[1]
-    logits = torch.matmul(q.float(), expand_kv(k, group).float().transpose(-1, -2)) * scaling
+    dt = work_dtype(q)
+    logits = torch.matmul(q.to(dt), expand_kv(k, group).to(dt).transpose(-1, -2)) * scaling
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     return torch.softmax(logits, dim=-1)
@@ -42,7 +49,7 @@ def attention_probs(
 
 def attend_probs(probs: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     group = probs.shape[1] // v.shape[1]
-    return torch.matmul(probs, expand_kv(v, group).float()).to(out_dtype)
+    return torch.matmul(probs, expand_kv(v, group).to(probs.dtype)).to(out_dtype)
 
 
 def causal_attention(

@@ -7,8 +7,9 @@ this exact (mid-rise, clamped) quantizer on N(0, 1); it is computed here from cl
 partial moments and a golden-section search, and cached (b <= 5 reproduces Max 1960).
 
 Bits may differ per coordinate (a vector ``b_j``); coordinates with ``b_j = 0`` are dropped
-(decoded as 0). Codes of mixed widths are packed into one little-endian bit stream with
-:func:`methods.packing.pack_bits` (1-bit symbols): row-major over the rows, each code LSB first,
+(decoded as 0). Codes of mixed widths are packed into one little-endian bit stream
+(:func:`pack_codes`, the layout of :func:`methods.packing.pack_bits` with per-code widths):
+row-major over the rows, each code LSB first,
 so a row of widths ``b_j`` occupies exactly ``sum_j b_j`` bits and the only padding is the final
 partial byte of the whole stream (< 8 bits per call).
 """
@@ -20,7 +21,6 @@ from functools import lru_cache
 
 import torch
 
-from .packing import pack_bits, unpack_bits
 
 MAX_BITS = 8
 _SQRT2 = math.sqrt(2.0)
@@ -115,57 +115,75 @@ def dequantize(code: torch.Tensor, step: torch.Tensor, bits: torch.Tensor | int)
 
 # ---- mixed-width packing -------------------------------------------------------------------------
 
-_BLOCK_BITS = 1 << 22  # bits per block: bounds the int64 temporaries of pack_bits/unpack_bits
+_BLOCK_BITS = 1 << 22  # stream bits per block: bounds the temporaries of pack_codes/unpack_codes
 
 
 @lru_cache(maxsize=256)
-def _layout_for(widths: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _layout_for(widths: tuple[int, ...], device: str):
+    """The static layout of a row of widths b_j. ``g`` rows (g = 8 / gcd(sum b, 8)) end on a byte
+    boundary; in such a super-row, code i starts at bit ``off_i`` = byte ``off_i >> 3``, shift
+    ``off_i & 7``, and (b_i <= 8) spills at most into the next byte."""
     w = torch.tensor(widths, dtype=torch.long)
-    index = torch.repeat_interleave(torch.arange(w.numel()), w)
-    pos = torch.arange(index.numel()) - (torch.cumsum(w, 0) - w)[index]
-    return index.to(device), pos.to(device)
+    row_bits = int(w.sum())
+    g = 8 // math.gcd(row_bits, 8) if row_bits else 1
+    wg = w.repeat(g)
+    off = torch.cumsum(wg, 0) - wg
+    dev = torch.device(device)
+    row_bytes = g * row_bits // 8
+    byte = (off >> 3).clamp(max=max(row_bytes - 1, 0))  # a 0-bit code at a row's end adds nothing
+    return (g, row_bits, row_bytes, byte.to(dev),
+            (off & 7).to(dev, torch.int32), ((1 << wg) - 1).to(dev, torch.int32))
 
 
-def _layout(widths: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a row of widths b_j: the code index and the bit position of every stream bit (cached;
-    pass ``widths`` on the CPU to avoid a device sync)."""
+def _layout(widths: torch.Tensor, device):
+    """Cached :func:`_layout_for` (pass ``widths`` on the CPU to avoid a device sync)."""
     return _layout_for(tuple(widths.tolist()), str(device))
 
 
-def _row_block(row_bits: int) -> int:
-    rows = max(8, (_BLOCK_BITS // max(row_bits, 1)) // 8 * 8)
-    return rows  # a multiple of 8, so every block ends on a byte boundary
+def _block_rows(g: int, row_bits: int) -> int:
+    return max(1, _BLOCK_BITS // max(g * row_bits, 1))  # super-rows per block
 
 
 def pack_codes(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """Pack ``codes`` [M, n] (code j < 2**widths[j]) into one uint8 stream of ceil(M*sum(b)/8) bytes."""
-    m = codes.shape[0]
-    index, pos = _layout(widths, codes.device)
-    row_bits = index.numel()
+    """Pack ``codes`` [M, n] (code j < 2**widths[j]) into one uint8 stream of ceil(M*sum(b)/8) bytes.
+
+    Per super-row of g rows (byte-aligned), each code shifted to its bit offset is added into the
+    byte it starts in (the bits of different codes never overlap, so + is |), then every byte's
+    overflow above 8 bits is carried into the next byte."""
+    m, n = codes.shape
+    g, row_bits, row_bytes, byte, shift, _ = _layout(widths, codes.device)
     if m == 0 or row_bits == 0:
         return torch.zeros(0, dtype=torch.uint8, device=codes.device)
-    step = _row_block(row_bits)
-    out = []
-    for start in range(0, m, step):
-        block = codes[start : start + step].long()
-        stream = (block[:, index] >> pos) & 1
-        out.append(pack_bits(stream.reshape(-1), 1))
-    return torch.cat(out)
+    nbytes = (m * row_bits + 7) // 8
+    c = codes if m % g == 0 else torch.nn.functional.pad(codes, (0, 0, 0, (-m) % g))
+    c = c.reshape(-1, g * n)
+    out = torch.empty(c.shape[0], row_bytes, dtype=torch.uint8, device=codes.device)
+    step = _block_rows(g, row_bits)
+    for start in range(0, c.shape[0], step):
+        part = c[start : start + step].to(torch.int32) << shift
+        acc = torch.zeros(part.shape[0], row_bytes, dtype=torch.int32, device=codes.device)
+        acc.index_add_(1, byte, part)
+        low = acc & 255
+        low[:, 1:] += acc[:, :-1] >> 8  # the last byte of a super-row never spills
+        out[start : start + step] = low
+    return out.reshape(-1)[:nbytes]
 
 
 def unpack_codes(packed: torch.Tensor, widths: torch.Tensor, m: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: int64 codes [m, n]."""
+    """Inverse of :func:`pack_codes`: int64 codes [m, n] (each read from the <= 2 bytes it spans)."""
     n = widths.numel()
-    index, pos = _layout(widths, packed.device)
-    row_bits = index.numel()
-    codes = torch.zeros(m, n, dtype=torch.int64, device=packed.device)
+    g, row_bits, row_bytes, byte, shift, mask = _layout(widths, packed.device)
     if m == 0 or row_bits == 0:
-        return codes
-    step = _row_block(row_bits)
-    for start in range(0, m, step):
-        rows = min(step, m - start)
-        byte0 = start * row_bits // 8  # exact: start is a multiple of 8
-        nbytes = (rows * row_bits + 7) // 8
-        stream = unpack_bits(packed[byte0 : byte0 + nbytes], 1, rows * row_bits).reshape(rows, row_bits)
-        codes[start : start + rows].index_add_(1, index, stream << pos)
-    return codes
+        return torch.zeros(m, n, dtype=torch.int64, device=packed.device)
+    sup = -(-m // g)
+    data = packed[: sup * row_bytes]
+    if data.numel() < sup * row_bytes:  # the last super-row is partial
+        data = torch.nn.functional.pad(data, (0, sup * row_bytes - data.numel()))
+    data = torch.nn.functional.pad(data.reshape(sup, row_bytes), (0, 1))
+    out = torch.empty(sup, g * n, dtype=torch.int64, device=packed.device)
+    step = _block_rows(g, row_bits)
+    for start in range(0, sup, step):
+        d = data[start : start + step].to(torch.int32)
+        word = d.index_select(1, byte) | (d.index_select(1, byte + 1) << 8)
+        out[start : start + step] = (word >> shift) & mask
+    return out.reshape(-1, n)[:m]

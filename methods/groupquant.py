@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import work_dtype
 from .packing import pack_bits, unpack_bits
 
 SCALE_GUARD = 1e-8
@@ -80,9 +81,9 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int = -1) -> G
     if not (isinstance(bits, int) and 1 <= bits <= 8):
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
     axis = axis % x.ndim
-    xg = _grouped(x, group, axis).float()
+    xg = _grouped(x, group, axis).to(work_dtype(x))
     s16, mn16 = fp16_params(xg, bits)
-    q = ((xg - mn16.float()[..., None]) / s16.float()[..., None]).round()
+    q = ((xg - mn16.to(xg.dtype)[..., None]) / s16.to(xg.dtype)[..., None]).round()
     q = q.clamp(0, (1 << bits) - 1).to(torch.uint8)
     return GroupPacked(pack_bits(q, bits), s16, mn16, bits, group, axis, tuple(x.shape), x.dtype)
 
@@ -94,8 +95,9 @@ def group_codes(gp: GroupPacked) -> torch.Tensor:
 
 def dequantize_groups(gp: GroupPacked) -> torch.Tensor:
     """x_hat = q * s + mn with the stored fp16 s and mn, in the original shape and dtype."""
-    q = group_codes(gp).float()
-    xg = q * gp.scale.float()[..., None] + gp.minimum.float()[..., None]
+    dt = torch.float64 if gp.dtype == torch.float64 else torch.float32
+    q = unpack_bits(gp.codes, gp.nbits, gp.group, dtype=torch.uint8).to(dt)
+    xg = q * gp.scale.to(dt)[..., None] + gp.minimum.to(dt)[..., None]
     xm = xg.reshape(*xg.shape[:-2], -1)
     return xm.movedim(-1, gp.axis).to(gp.dtype)
 

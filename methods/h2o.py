@@ -225,27 +225,39 @@ class H2OLayerState(LayerState):
         else:
             kw, vw, pos = k, v, new_pos
             score = torch.zeros(b, h, n, dtype=cdt, device=dev)
-        keep = torch.zeros(b, h, m + n, dtype=torch.bool, device=dev)
-        keep[..., :m] = True
-        inf = torch.tensor(float("inf"), dtype=score.dtype, device=dev)
+        # pen: 0 for a kept token, +inf once evicted. Row i reads only its m + i + 1 visible
+        # columns (later tokens are simply not in the slice), so a step costs a handful of ops.
+        pen = torch.zeros(b, h, m + n, dtype=score.dtype, device=dev)
+        inf = float("inf")
         # all logits at once; row i is overwritten by its probabilities at step i
         probs = grouped_logits(q, kw, scaling)  # [B, Hkv, g, n, m + n]
+        if n > 1:  # probabilities of later tokens are 0 (those logits are never read)
+            probs[..., m:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=dev).triu(1), 0.0)
         kept = m
+        rows, pens = probs.unbind(dim=3), pen[:, :, None, :]  # views, made once
         for i in range(n):
             t = self._seen + i
-            keep[..., m + i] = True
+            w = m + i + 1
             kept += 1
-            row = probs[:, :, :, i, :].masked_fill(~keep[:, :, None, :], float("-inf"))
-            p_i = torch.softmax(row, dim=-1)
-            probs[:, :, :, i, :] = p_i
-            score += p_i.mean(dim=2).to(score.dtype)
+            row = rows[i][..., :w]
+            p_i = torch.softmax(row - pens[..., :w], dim=-1)
+            row.copy_(p_i)
+            score[..., :w] += p_i.mean(dim=2)
             cap, c_r = self.budget(t)
             if kept > cap:
-                old = pos <= t - c_r
+                if m == 0:  # positions are seen + index: the eligible (old) tokens are a prefix
+                    lim = max(1, t - c_r - self._seen + 1)
+                    cand_s, cand_p = score[..., :lim], pen[..., :lim]
+                else:
+                    old = pos <= t - c_r
                 while kept > cap:
-                    j = torch.where(keep & old, score, inf).argmin(dim=-1, keepdim=True)
-                    keep.scatter_(-1, j, False)
+                    if m == 0:
+                        j = (cand_s + cand_p).argmin(dim=-1, keepdim=True)
+                    else:
+                        j = torch.where(old, score + pen, inf).argmin(dim=-1, keepdim=True)
+                    pen.scatter_(-1, j, inf)
                     kept -= 1
+        keep = pen == 0
         out = grouped_output(probs, vw, q.dtype)
         idx = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :kept]
         self._store(kw, vw, score, pos, idx.sort(dim=-1).values)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import causal_attention
+from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Unsupported
 from .groupquant import GroupPacked, dequantize_groups, quantize_groups
 
@@ -101,7 +101,7 @@ def _logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     (query head h reads KV head h // g, as :func:`methods.attention.expand_kv`)."""
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
-    out = q.reshape(b, hkv, (hq // hkv) * tq, d) @ k.float().transpose(-1, -2)
+    out = q.reshape(b, hkv, (hq // hkv) * tq, d) @ k.to(q.dtype).transpose(-1, -2)
     return out.reshape(b, hq, tq, k.shape[2])
 
 
@@ -109,7 +109,7 @@ def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """p [B, Hq, Tq, n] x v [B, Hkv, n, d] -> [B, Hq, Tq, d]."""
     b, hq, tq, n = p.shape
     hkv = v.shape[1]
-    out = p.reshape(b, hkv, (hq // hkv) * tq, n) @ v.float()
+    out = p.reshape(b, hkv, (hq // hkv) * tq, n) @ v.to(p.dtype)
     return out.reshape(b, hq, tq, v.shape[3])
 
 
@@ -137,7 +137,7 @@ def mixed_attention(q, kp, k_ex, k_hat, key_mask, vp, v_ex, v_hat, val_mask, sca
     pv = 0 if vp is None else vp.shape[2]
     n = pk + k_ex.shape[2]
     blk = max(1, MAX_LOGIT_ELEMENTS // max(1, q.shape[0] * q.shape[1] * n))
-    qf = q.float()
+    qf = q.to(work_dtype(q))
     outs = []
     for i in range(0, tq, blk):
         j = min(i + blk, tq)

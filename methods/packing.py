@@ -21,31 +21,66 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., n] -> uint8 [..., ceil(n * bits / 8)].
+
+    Every 8 consecutive codes fill exactly ``bits`` bytes: they are OR-ed into one integer word
+    (code j at bit ``j * bits``) whose bytes, least significant first, are the stream. This is the
+    little-endian bit stream of the module docstring, built with ~n word operations instead of
+    one int64 per bit."""
     _check_bits(bits)
     if codes.dtype.is_floating_point:
         raise TypeError("pack_bits takes integer codes")
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
     n = codes.shape[-1]
-    codes = codes.to(torch.int64)
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << bits)):
-        raise ValueError(f"codes out of range for {bits} bits")
-    shifts = torch.arange(bits, device=codes.device)
-    stream = ((codes[..., None] >> shifts) & 1).reshape(*codes.shape[:-1], n * bits)
-    pad = (-stream.shape[-1]) % 8
-    if pad:
-        stream = torch.nn.functional.pad(stream, (0, pad))
-    stream = stream.reshape(*stream.shape[:-1], -1, 8)
-    weights = 1 << torch.arange(8, device=codes.device)
-    return (stream * weights).sum(-1).to(torch.uint8)
+    lead = codes.shape[:-1]
+    if codes.numel():
+        lo, hi = torch.aminmax(codes)
+        if int(lo) < 0 or int(hi) >= (1 << bits):
+            raise ValueError(f"codes out of range for {bits} bits")
+    word_dtype = torch.int32 if bits <= 3 else torch.int64  # 8 codes of b bits: 8b <= 24 or <= 56
+    c = codes.to(word_dtype)
+    if n % 8:
+        c = torch.nn.functional.pad(c, (0, (-n) % 8))
+    c = c.reshape(*lead, -1, 8)
+    word = c[..., 0].clone()
+    for j in range(1, 8):
+        word |= c[..., j] << (bits * j)
+    out = torch.empty(*word.shape, bits, dtype=torch.uint8, device=codes.device)
+    for i in range(bits):
+        out[..., i] = (word >> (8 * i)) & 255
+    out = out.reshape(*lead, -1)
+    nbytes = packed_nbytes(n, bits)
+    return out if out.shape[-1] == nbytes else out[..., :nbytes].contiguous()
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def unpack_bits(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: codes [..., n] (``dtype``: int64 by default; ``torch.uint8``
+    saves memory traffic when the codes are only converted to floats afterwards)."""
     _check_bits(bits)
     if bits == 8:
-        return packed[..., :n].to(torch.int64)
-    shifts8 = torch.arange(8, device=packed.device)
-    stream = ((packed.to(torch.int64)[..., None] >> shifts8) & 1).reshape(*packed.shape[:-1], -1)
-    stream = stream[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
-    weights = 1 << torch.arange(bits, device=packed.device)
-    return (stream * weights).sum(-1)
+        return packed[..., :n].to(dtype)
+    lead = packed.shape[:-1]
+    if bits in (1, 2, 4):  # whole codes per byte: shift the bytes themselves
+        k = 8 // bits
+        nbytes = packed_nbytes(n, bits)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed[..., :nbytes, None] >> shifts) & ((1 << bits) - 1)
+        codes = codes.reshape(*lead, nbytes * k)
+        codes = codes if nbytes * k == n else codes[..., :n]
+        return codes.to(dtype)
+    groups = (n + 7) // 8  # 8 codes per ``bits`` bytes
+    need = groups * bits
+    if packed.shape[-1] >= need:
+        p = packed[..., :need]
+    else:  # the stream's last partial group was trimmed: restore its zero bytes
+        p = torch.nn.functional.pad(packed, (0, need - packed.shape[-1]))
+    word_dtype = torch.int32 if bits <= 3 else torch.int64
+    p = p.reshape(*lead, groups, bits).to(word_dtype)
+    word = p[..., 0]
+    for i in range(1, bits):
+        word = word | (p[..., i] << (8 * i))
+    shifts = torch.arange(0, 8 * bits, bits, dtype=word_dtype, device=packed.device)
+    codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, groups * 8)
+    codes = codes if groups * 8 == n else codes[..., :n]
+    return codes.to(dtype)

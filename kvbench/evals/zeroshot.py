@@ -57,7 +57,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def resolve_offline(offline: str | bool) -> bool:
-    """``auto`` → local files when HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set or the hub is down."""
+    """``auto`` → local files when HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set or no hub answers."""
     if isinstance(offline, bool):
         return offline
     value = str(offline).lower()
@@ -76,7 +76,10 @@ def resolve_offline(offline: str | bool) -> bool:
 class _DropExpected(logging.Filter):
     """HFLM warns on every construction from a model object, which is what we do on purpose."""
 
-    EXPECTED = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
+    EXPECTED = (
+        "`pretrained` model kwarg is not of type `str`",
+        "Passed an already-initialized model",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(s in record.getMessage() for s in self.EXPECTED)

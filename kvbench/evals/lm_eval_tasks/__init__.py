@@ -123,4 +123,7 @@ def write_local_tasks(tasks: list[str], out_dir: str | Path) -> Path:
 
 
 def evaluated_split(task: str, offline: bool) -> str:
-    return "validation" if offline else LOCAL_TASKS.get(task, LocalTask("", "", "default")).hub_split
+    """The split lm-eval scores: validation offline, lm-eval's own choice with the hub."""
+    if offline:
+        return "validation"
+    return LOCAL_TASKS[task].hub_split if task in LOCAL_TASKS else "task default"

@@ -1,0 +1,202 @@
+"""``python -m kvbench.bench``: what compression costs the harness, the allocator and the codecs.
+
+Five sections, measured in one process as ratios against a baseline timed beside them (issue 7):
+
+1. **overhead** — PPL track A wall time per method / FP16's, same windows (:mod:`kvbench.bench_overhead`);
+   targets <= 1.15x (codecs), <= 2x (H2O).
+2. **allocation** — KV-COBRA C1 + C2 for 256 and 112 heads x d=128 (:mod:`kvbench.bench_alloc`); < 10 ms.
+3. **codecs** — key encode + decode throughput vs a plain copy (:mod:`kvbench.bench_codecs`); >= 25%.
+4. **memory** — bytes held after a prefill vs FP16, measured bpd vs ``nominal_bpd`` (:mod:`kvbench.bench_memory`); within 2%.
+5. **calibration** — calibration pass vs a plain forward pass per 1k tokens (:mod:`kvbench.bench_calib`); <= 1.3x.
+
+Writes a JSON file (``--out``, default ``runs/bench/bench-<model>-<preset>-<time>.json``) and
+prints a table with the target and PASS/MISS of every row. ``--quick`` shortens everything (under 3
+minutes on a 2-core CPU); ``--smoke`` is for tests. ``--model llama3_8b_random`` builds a randomly
+initialized model of Llama-3.1-8B's shape (meant for a GPU; ``--layers N`` keeps N layers for a CPU
+smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import bench_alloc, bench_calib, bench_codecs, bench_memory, bench_overhead
+from .bench_common import PRESETS, Row, load_bench_model
+
+log = logging.getLogger("kvbench.bench")
+
+SECTIONS = ("calibration", "overhead", "allocation", "codecs", "memory")
+ORDER = ("overhead", "allocation", "codecs", "memory", "calibration")  # as issue 7 numbers them
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvbench.bench", description=__doc__.split("\n\n")[0])
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="shorter windows and fewer repetitions (< 3 min on a CPU)")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes: checks that every row is produced (tests)")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--model", default="smollm2_135m", choices=("smollm2_135m", "llama3_8b_random", "tiny"),
+                   help="tiny: the tests' 2-layer random Llama")
+    p.add_argument("--layers", type=int, default=None, help="llama3_8b_random only: keep this many layers (CPU smoke runs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for the run (default: torch's own choice)")
+    p.add_argument("--sections", default=",".join(ORDER),
+                   help=f"comma-separated subset of {','.join(ORDER)} (overhead needs calibration's statistics, run anyway)")
+    return p.parse_args(argv)
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1], timeout=10)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001 - provenance only
+        return None
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine(device: torch.device) -> dict:
+    import transformers
+
+    info = {
+        "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(), "git_commit": _git_commit(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("section", "row", "value", "target", "verdict", "note")
+    body = [(r.section, r.name, r.shown, r.target_text, r.verdict, r.note) for r in rows]
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head) - 1)]
+    lines = []
+    for i, cells in enumerate([head, *body]):
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + "  " + cells[-1])
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 4)
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = ["| section | row | value | target | verdict | note |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.section} | {r.name} | {r.shown} | {r.target_text} | {r.verdict} | {r.note} |" for r in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    preset = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes = PRESETS[preset]
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(ORDER))
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; valid choices: {', '.join(ORDER)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available")
+    t_start = time.perf_counter()
+    started = dt.datetime.now().astimezone()
+    load_start = _loadavg()
+    rows: dict[str, list[Row]] = {}
+    t0 = time.perf_counter()
+    bm = None
+    if any(s in wanted for s in ("overhead", "memory", "calibration")):
+        bm = load_bench_model(args.model, args.device, args.layers)
+    load_s = time.perf_counter() - t0
+    device = bm.device if bm else torch.device(args.device)
+    dtype = bm.dtype if bm else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    seconds = {"load": load_s}
+    stats = None
+    plan = [s for s in SECTIONS if s in wanted or (s == "calibration" and "overhead" in wanted)]
+    for section in plan:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if section == "calibration":
+                rows[section], stats = bench_calib.run(bm, sizes)
+            elif section == "overhead":
+                rows[section] = bench_overhead.run(bm, sizes, stats)
+            elif section == "allocation":
+                rows[section] = bench_alloc.run(sizes)
+            elif section == "codecs":
+                rows[section] = bench_codecs.run(sizes, device, dtype)
+            elif section == "memory":
+                if stats is None:
+                    from .bench_common import calib_windows
+                    from .calibrate import collect_stats
+
+                    stats = collect_stats(bm.model, calib_windows(bm, sizes.calib_seqlen, sizes.calib_windows))
+                rows[section] = bench_memory.run(bm, sizes, stats)
+        seconds[section] = time.perf_counter() - t0
+        log.info("section %s done in %.1f s", section, seconds[section])
+    ordered = [r for s in ORDER for r in rows.get(s, [])]
+    return {
+        "schema": "kvbench.bench/1",
+        "command": "python -m kvbench.bench" + ("" if not argv else " " + " ".join(argv)),
+        "date": started.isoformat(timespec="seconds"),
+        "preset": preset,
+        "sizes": sizes.__dict__,
+        "model": {"name": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+                  "layers": int(bm.model.config.num_hidden_layers) if bm else None,
+                  "note": bm.note if bm else None},
+        "machine": machine(device),
+        "load_avg": {"start": load_start, "end": _loadavg()},
+        "seconds": {**seconds, "total": time.perf_counter() - t_start},
+        "rows": [r.as_dict() for r in ordered],
+        "summary": {
+            "rows": len(ordered),
+            "pass": sum(r.verdict == "PASS" for r in ordered),
+            "miss": sum(r.verdict == "MISS" for r in ordered),
+        },
+        "table_markdown": markdown_table(ordered),
+        "_rows": ordered,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        report = run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+    rows = report.pop("_rows")
+    out = args.out or Path("runs") / "bench" / f"bench-{args.model}-{report['preset']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out)
+    print(f"\nkvbench.bench ({report['preset']}) on {report['model']['name']} ({report['model']['device']}, "
+          f"{report['model']['dtype']}), {report['date']}, load avg {report['load_avg']['start']} -> "
+          f"{report['load_avg']['end']}, {report['seconds']['total']:.0f} s")
+    print(format_table(rows))
+    s = report["summary"]
+    print(f"\n{s['pass']} PASS, {s['miss']} MISS of {s['rows']} rows; JSON: {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

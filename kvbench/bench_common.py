@@ -1,0 +1,343 @@
+"""Shared pieces of ``python -m kvbench.bench``: sizes, rows and verdicts, timing, models, inputs.
+
+Every measurement of the benchmark is a **ratio** against a baseline timed in the same process,
+interleaved with it (A B B A ...), so that a machine whose load changes during the run still gives
+stable answers; the median over repetitions is reported after a warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from methods import LayerStats, ModelShape, build_method
+
+# ---- sizes --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each section does. ``full`` follows issue 7; ``quick`` is for a laptop or CI;
+    ``smoke`` only checks that every row is produced (tests)."""
+
+    name: str
+    eval_seqlen: int  # §1: tokens per PPL track-A window
+    eval_windows: int  # §1: windows per timed repetition
+    eval_reps: int  # §1: paired repetitions after one warm-up
+    alloc_reps: int  # §2: allocation repetitions (median)
+    codec_tokens: int  # §3: T of the keys [1, 8, T, 128]
+    codec_attn_tokens_cpu: int  # §3: T for the attention-bound rows (H2O, SnapKV) on a CPU
+    codec_reps: int  # §3: repetitions (median) after one warm-up
+    mem_tokens: int  # §4: prefill length
+    calib_windows: int  # §5 (and the statistics of §1): windows per calibration pass
+    calib_seqlen: int
+    calib_reps: int  # §5: paired repetitions after one warm-up
+
+
+PRESETS = {
+    "full": Sizes("full", 2048, 1, 3, 21, 32768, 4096, 5, 8192, 4, 1024, 3),
+    "quick": Sizes("quick", 512, 1, 3, 9, 8192, 1024, 3, 2048, 2, 512, 3),
+    "smoke": Sizes("smoke", 48, 1, 1, 2, 256, 128, 1, 96, 2, 32, 1),
+}
+
+# ---- the methods and budgets benchmarked --------------------------------------------------------
+
+#: (label, registry name, options, bpd, v_bpd, kind). K-track (values 16-bit) as the main table;
+#: H2O spends its budget on K and V alike. ``kind``: "codec" (target <= 1.15x) or "evict" (<= 2x).
+EVAL_CASES = [
+    ("kivi", "kivi", {}, 2.0, None, "codec"),
+    ("svdq", "svdq", {}, 2.0, None, "codec"),
+    ("kqsvd", "kqsvd", {}, 2.0, None, "codec"),
+    ("cobra_mse", "cobra_mse", {}, 2.0, None, "codec"),
+    ("cobra_kl", "cobra_kl", {}, 2.0, None, "codec"),
+    ("h2o", "h2o", {}, 4.0, 4.0, "evict"),
+]
+
+#: §4 uses value budgets too, so both sides of each formula are checked.
+MEMORY_CASES = [
+    ("kivi", "kivi", {}, 2.0, 2.0),
+    ("svdq", "svdq", {}, 2.0, 2.0),
+    ("kqsvd", "kqsvd", {}, 2.0, 4.0),
+    ("cobra_mse", "cobra_mse", {}, 2.0, 4.0),
+    ("cobra_kl", "cobra_kl", {}, 1.0, 4.0),
+    ("h2o", "h2o", {}, 4.0, 4.0),
+    ("snapkv", "snapkv", {}, 4.0, 4.0),
+]
+
+
+def budget_label(bpd, v_bpd) -> str:
+    if v_bpd is None:
+        return f"bpd {bpd:g}"
+    if v_bpd == bpd:
+        return f"bpd {bpd:g} (K and V)"
+    return f"bpd {bpd:g}, v_bpd {v_bpd:g}"
+
+
+def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=None, seed: int = 0):
+    """A configured (and, when needed, calibrated) method."""
+    method = build_method(name, **options)
+    method.configure(shape, bpd, v_bpd)
+    if method.needs_calibration:
+        if stats is None:
+            raise ValueError(f"{name} needs calibration statistics")
+        method.calibrate(stats, seed=seed)
+    return method
+
+
+# ---- rows and verdicts ----------------------------------------------------------------------------
+
+_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+
+
+@dataclass
+class Row:
+    """One line of the table: a number, its target and the verdict."""
+
+    section: str
+    name: str
+    metric: str
+    value: float
+    unit: str
+    op: str
+    target: float
+    verdict: str = ""
+    shown: str = ""
+    note: str = ""
+    detail: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        value = float(self.value)
+        self.value = value
+        if not math.isfinite(value):
+            self.verdict = "MISS"
+        else:
+            self.verdict = "PASS" if _OPS[self.op](value, self.target) else "MISS"
+        if not self.shown:
+            self.shown = f"{value:.3g}{self.unit}" if self.unit != "x" else f"{value:.2f}x"
+
+    @property
+    def target_text(self) -> str:
+        unit = "" if self.unit in ("x",) else self.unit
+        suffix = "x" if self.unit == "x" else unit
+        return f"{self.op} {self.target:g}{suffix}"
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["target_text"] = self.target_text
+        return out
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def median_time(fn, device, reps: int, warmup: int = 1) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    times = [clock(fn, device) for _ in range(max(1, reps))]
+    return statistics.median(times), times
+
+
+def paired_ratio(base, fn, device, reps: int, warmup: int = 1) -> dict:
+    """Median of t(fn)/t(base) over ``reps`` interleaved pairs (order alternates: A B, B A, ...),
+    after ``warmup`` untimed calls of each."""
+    for _ in range(warmup):
+        base()
+        fn()
+    tb, tf = [], []
+    for i in range(max(1, reps)):
+        if i % 2 == 0:
+            tb.append(clock(base, device))
+            tf.append(clock(fn, device))
+        else:
+            tf.append(clock(fn, device))
+            tb.append(clock(base, device))
+    ratios = [f / b for f, b in zip(tf, tb)]
+    return {
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "base_s": statistics.median(tb),
+        "method_s": statistics.median(tf),
+        "base_times_s": tb,
+        "method_times_s": tf,
+    }
+
+
+# ---- models ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchModel:
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    note: str = ""
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model.config.vocab_size)
+
+
+def llama3_8b_config(layers: int | None = None):
+    """Llama-3.1-8B's shape (32 layers, 32 query / 8 KV heads, d=128, GQA, llama3 RoPE scaling)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers or 32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+def tiny_config():
+    """A tiny random Llama (2 layers, 4 query / 2 KV heads, d=32): smoke runs only."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rope_theta=10000.0, attn_implementation="sdpa",
+    )
+
+
+def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialized LlamaForCausalLM built directly on ``device`` in ``dtype``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def load_bench_model(name: str, device: str, layers: int | None = None) -> BenchModel:
+    from .models import load_model, resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dtype = resolve_dtype("auto", dev)
+    if name == "smollm2_135m":
+        if layers:
+            raise ValueError("--layers applies to llama3_8b_random only")
+        loaded = load_model("smollm2_135m", embedded=True, device=str(dev))
+        return BenchModel(loaded.model, loaded.tokenizer, name, dev, dtype, loaded.source)
+    if name == "llama3_8b_random":
+        cfg = llama3_8b_config(layers)
+        note = "random init, Llama-3.1-8B shape" + (f", {cfg.num_hidden_layers} of 32 layers" if layers else "")
+        return BenchModel(random_model(cfg, dev, dtype), None, name, dev, dtype, note)
+    if name == "tiny":
+        return BenchModel(random_model(tiny_config(), dev, dtype), None, name, dev, dtype, "tiny random Llama")
+    raise ValueError(f"unknown model {name!r}; valid choices: smollm2_135m, llama3_8b_random, tiny")
+
+
+# ---- token windows --------------------------------------------------------------------------------
+
+
+def eval_windows(bm: BenchModel, seqlen: int, n: int) -> torch.Tensor:
+    """[n, seqlen] evaluation windows: PTB test for a real tokenizer, random ids otherwise."""
+    if bm.tokenizer is not None:
+        from .data.windows import ppl_windows
+
+        return ppl_windows(bm.tokenizer, "ptb", seqlen, n)
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, bm.vocab, (n, seqlen), generator=g)
+
+
+def calib_windows(bm: BenchModel, seqlen: int, n: int, seed: int = 0) -> torch.Tensor:
+    """[n, seqlen] calibration windows: PTB train at GPTQ-style random offsets, or random ids."""
+    if bm.tokenizer is not None:
+        from .calibrate import CalibrationSpec, calibration_windows
+
+        spec = CalibrationSpec(dataset="ptb", split="train", n_windows=n, seqlen=seqlen, seed=seed)
+        return calibration_windows(bm.tokenizer, spec)
+    g = torch.Generator().manual_seed(4321 + seed)
+    return torch.randint(0, bm.vocab, (n, seqlen), generator=g)
+
+
+# ---- synthetic inputs (no model) ----------------------------------------------------------------
+
+
+def decaying_spectra(n_heads: int, d: int, seed: int = 0) -> torch.Tensor:
+    """[n_heads, d] descending positive spectra: lambda_i = s_h exp(-i / tau_h), with per-head
+    scale s_h log-uniform in [0.1, 10] and decay tau_h uniform in [d/32, d/4]."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 10 ** (2 * torch.rand(n_heads, 1, generator=g, dtype=torch.float64) - 1)
+    tau = d / 32 + (d / 4 - d / 32) * torch.rand(n_heads, 1, generator=g, dtype=torch.float64)
+    i = torch.arange(d, dtype=torch.float64)[None]
+    return scale * torch.exp(-i / tau)
+
+
+def _random_orthogonal(n: int, d: int, g: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+
+
+def synthetic_stats(shape: ModelShape, seed: int = 0, n_tokens: int = 4096) -> list[LayerStats]:
+    """Calibration moments of a random model of ``shape``: per KV head a random eigenbasis with a
+    decaying spectrum for keys, values and queries (float64, like :func:`kvbench.calibrate.collect_stats`)."""
+    g = torch.Generator().manual_seed(seed)
+    h, d = shape.n_kv_heads, shape.head_dim
+    out = []
+    for layer in range(shape.n_layers):
+        mats = []
+        for salt in range(3):
+            lam = decaying_spectra(h, d, seed=seed * 1000 + layer * 10 + salt)
+            u = _random_orthogonal(h, d, g)
+            mats.append(u @ torch.diag_embed(lam) @ u.transpose(-1, -2))
+        out.append(LayerStats(
+            mu_k=0.1 * torch.randn(h, d, generator=g, dtype=torch.float64), cov_k=mats[0],
+            mu_v=0.1 * torch.randn(h, d, generator=g, dtype=torch.float64), cov_v=mats[1],
+            m_q=mats[2], n_tokens=n_tokens,
+        ))
+    return out
+
+
+def rope_tables(t: int, d: int, device, dtype, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-convention (cos, sin) [1, t, d] for positions 0..t-1."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    freqs = torch.arange(t, dtype=torch.float32, device=device)[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[None].to(dtype), emb.sin()[None].to(dtype)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,267 @@
+"""LongBench v1, the seven English F1 subsets (METHODS.md §9.3).
+
+Follows THUDM/LongBench ``pred.py`` and ``eval.py``:
+
+* prompt = ``dataset2prompt[name].format(**item)``;
+* middle truncation: tokenize the prompt (the tokenizer's default special tokens, as pred.py); if
+  longer than ``max_length``, keep the first and the last ``int(max_length / 2)`` tokens, each half
+  decoded with ``skip_special_tokens=True`` and the two strings concatenated;
+* chat template for instruct models (``chat=True``) except on trec, triviaqa, samsum, lsht, lcc,
+  repobench-p. pred.py hand-writes each model's chat format; here the tokenizer's own chat template
+  (one user turn, generation prompt) plays that role, and the templated text is tokenized without
+  adding special tokens again (the template already carries BOS where the model wants one);
+* greedy decoding of ``dataset2maxlen[name]`` new tokens at most through ``CompressedLM.generate``
+  (prefill exact, compress, decode), stopping at the model's EOS token(s); the prediction is the
+  new tokens decoded with ``skip_special_tokens=True``;
+* scoring: first line only for trec/triviaqa/samsum/lsht; an item scores the max of
+  ``qa_f1_score`` over its answers; a dataset scores ``round(100 * mean, 2)``; ``avg`` is the mean
+  of the dataset scores (over all seven: "LongBench F1").
+
+Data: ``data_dir`` holding LongBench's official ``<name>.jsonl`` files (the members of the hub's
+``data.zip``: ``data_dir/<name>.jsonl`` or ``data_dir/data/<name>.jsonl``), or the hub
+(``datasets.load_dataset("THUDM/LongBench", name, split="test")``, then ``data.zip``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from .f1 import best_f1
+from .longbench_prompts import DATASET2MAXLEN, DATASET2PROMPT, ENGLISH_F1, FIRST_LINE, NO_CHAT
+
+log = logging.getLogger(__name__)
+
+HUB_REPO = "THUDM/LongBench"
+
+
+class LongBenchDataMissing(FileNotFoundError):
+    """A LongBench subset is neither in ``data_dir`` nor reachable on the hub."""
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[dict]:
+    items = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                items.append(json.loads(line))
+                if limit is not None and len(items) >= limit:
+                    break
+    return items
+
+
+def local_candidates(name: str, data_dir: str | os.PathLike) -> list[Path]:
+    root = Path(data_dir).expanduser()
+    return [root / f"{name}.jsonl", root / "data" / f"{name}.jsonl"]
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "") for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(f.lower() in ("1", "true", "yes", "on") for f in flags)
+
+
+def _from_hub(name: str, limit: int | None) -> list[dict]:
+    """pred.py's ``load_dataset('THUDM/LongBench', name, split='test')``; ``data.zip`` as fallback
+    (recent ``datasets`` releases no longer run the dataset's loading script)."""
+    errors = []
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(HUB_REPO, name, split="test")
+        n = len(ds) if limit is None else min(limit, len(ds))
+        return [ds[i] for i in range(n)]
+    except Exception as err:  # noqa: BLE001 - try the archive next
+        errors.append(f"load_dataset: {err}")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        archive = hf_hub_download(HUB_REPO, "data.zip", repo_type="dataset")
+        with zipfile.ZipFile(archive) as zf:
+            lines = zf.read(f"data/{name}.jsonl").decode("utf-8").splitlines()
+        items = [json.loads(line) for line in lines if line.strip()]
+        return items if limit is None else items[:limit]
+    except Exception as err:  # noqa: BLE001 - reported below with what to do
+        errors.append(f"data.zip: {err}")
+    raise LongBenchDataMissing(
+        f"LongBench subset {name!r} could not be loaded from the hub ({'; '.join(errors)}). "
+        f"Download data.zip from https://huggingface.co/datasets/{HUB_REPO}, unzip it and pass "
+        f"data_dir=DIR (task.longbench.data_dir=DIR) holding {name}.jsonl"
+    )
+
+
+def load_longbench(name: str, data_dir=None, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` items of a LongBench subset, as dicts with the official fields
+    (``input``, ``context``, ``answers``, ``length``, ``dataset``, ``language``, ``all_classes``,
+    ``_id``)."""
+    if data_dir:
+        tried = local_candidates(name, data_dir)
+        for path in tried:
+            if path.exists():
+                return _read_jsonl(path, limit)
+        raise LongBenchDataMissing(
+            f"LongBench subset {name!r} not found: looked for "
+            f"{', '.join(str(p) for p in tried)}. Pass data_dir=DIR (task.longbench.data_dir=DIR) "
+            f"holding the official {name}.jsonl (unzip data.zip from the hub dataset {HUB_REPO})"
+        )
+    if _offline():
+        raise LongBenchDataMissing(
+            f"LongBench subset {name!r}: no data_dir given and the hub is off "
+            "(HF_DATASETS_OFFLINE/HF_HUB_OFFLINE). Pass data_dir=DIR (task.longbench.data_dir=DIR) "
+            f"holding the official {name}.jsonl files (data.zip of the hub dataset {HUB_REPO})"
+        )
+    return _from_hub(name, limit)
+
+
+# ------------------------------------------------------------------------------- prompts
+
+
+def truncate_middle(prompt: str, tokenizer, max_length: int) -> tuple[str, bool]:
+    """pred.py's middle truncation: first and last ``int(max_length/2)`` tokens, decoded."""
+    ids = tokenizer(prompt, truncation=False)["input_ids"]
+    if len(ids) <= max_length:
+        return prompt, False
+    half = int(max_length / 2)
+    head = tokenizer.decode(ids[:half], skip_special_tokens=True)
+    tail = tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    return head + tail, True
+
+
+def apply_chat(tokenizer, prompt: str) -> str:
+    """One user turn through the tokenizer's chat template, ready for the assistant's answer."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "chat=True but the tokenizer has no chat template; set the model's `chat: false`"
+        )
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def uses_chat(dataset: str, chat: bool) -> bool:
+    return bool(chat) and dataset not in NO_CHAT
+
+
+def build_prompt(item: dict, dataset: str, tokenizer, max_length: int, chat: bool) -> dict:
+    """The model input for one item: ``{"text", "input_ids" (list), "truncated", "chat"}``."""
+    if dataset not in DATASET2PROMPT:
+        raise ValueError(
+            f"unknown LongBench subset {dataset!r}; supported: {', '.join(DATASET2PROMPT)}"
+        )
+    prompt = DATASET2PROMPT[dataset].format(**item)
+    prompt, truncated = truncate_middle(prompt, tokenizer, max_length)
+    with_chat = uses_chat(dataset, chat)
+    if with_chat:
+        prompt = apply_chat(tokenizer, prompt)
+    ids = tokenizer(prompt, truncation=False, add_special_tokens=not with_chat)["input_ids"]
+    return {"text": prompt, "input_ids": ids, "truncated": truncated, "chat": with_chat}
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The EOS ids ``model.generate`` would stop at (generation config, then tokenizer)."""
+    ids: list[int] = []
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
+        if value is None:
+            continue
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+# ------------------------------------------------------------------------------- scoring
+
+
+def postprocess(dataset: str, prediction: str) -> str:
+    """eval.py: only the first line counts on trec/triviaqa/samsum/lsht."""
+    if dataset in FIRST_LINE:
+        return prediction.lstrip("\n").split("\n")[0]
+    return prediction
+
+
+def score_item(dataset: str, prediction: str, answers: list[str]) -> float:
+    return best_f1(postprocess(dataset, prediction), answers)
+
+
+def dataset_score(f1s: list[float]) -> float:
+    """eval.py ``scorer``: round(100 * mean, 2)."""
+    return round(100 * sum(f1s) / len(f1s), 2) if f1s else float("nan")
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def generate_answer(lm, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> str:
+    ids = torch.tensor([input_ids], dtype=torch.long)
+    new = lm.generate(ids, max_new_tokens, stop_ids)
+    return lm.tokenizer.decode(new, skip_special_tokens=True)
+
+
+def evaluate_dataset(
+    lm, dataset: str, items: list[dict], max_length: int, chat: bool
+) -> list[dict]:
+    stop_ids = stop_token_ids(lm.model, lm.tokenizer)
+    records = []
+    for item in items:
+        prompt = build_prompt(item, dataset, lm.tokenizer, max_length, chat)
+        pred = generate_answer(lm, prompt["input_ids"], DATASET2MAXLEN[dataset], stop_ids)
+        records.append(
+            {
+                "_id": item.get("_id"),
+                "prediction": pred,
+                "answers": list(item["answers"]),
+                "f1": score_item(dataset, pred, item["answers"]),
+                "length": item.get("length"),
+                "prompt_tokens": len(prompt["input_ids"]),
+                "truncated": prompt["truncated"],
+            }
+        )
+    return records
+
+
+def evaluate_longbench(
+    lm,
+    datasets=ENGLISH_F1,
+    data_dir=None,
+    limit: int | None = None,
+    max_length: int = 31500,
+    chat: bool = False,
+) -> dict:
+    """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (METHODS.md §9.3).
+
+    Returns ``{name: score (0-100), "avg": mean of the scores, "counts": {name: items},
+    "records": {name: [{_id, prediction, answers, f1, length, prompt_tokens, truncated}]},
+    "max_length", "chat", "eval_s"}``; the caller stores the records.
+    """
+    datasets = list(datasets)
+    unknown = [d for d in datasets if d not in DATASET2PROMPT]
+    if unknown:
+        raise ValueError(
+            f"unknown LongBench subset(s) {unknown}; supported: {', '.join(DATASET2PROMPT)}"
+        )
+    t0 = time.perf_counter()
+    loaded = {name: load_longbench(name, data_dir, limit) for name in datasets}  # fail early
+    scores, counts, records = {}, {}, {}
+    for name in datasets:
+        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat)
+        records[name], counts[name] = recs, len(recs)
+        scores[name] = dataset_score([r["f1"] for r in recs])
+        log.info("longbench %s: %.2f over %d items", name, scores[name], len(recs))
+    avg = round(sum(scores.values()) / len(scores), 2) if scores else float("nan")
+    return {
+        **scores,
+        "avg": avg,
+        "counts": counts,
+        "records": records,
+        "max_length": max_length,
+        "chat": bool(chat),
+        "eval_s": round(time.perf_counter() - t0, 2),
+    }

