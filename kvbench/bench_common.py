@@ -41,7 +41,7 @@ class Sizes:
 
 PRESETS = {
     "full": Sizes("full", 2048, 1, 3, 21, 32768, 4096, 5, 8192, 4, 1024, 3),
-    "quick": Sizes("quick", 512, 1, 3, 9, 8192, 1024, 3, 2048, 2, 512, 3),
+    "quick": Sizes("quick", 512, 1, 3, 9, 8192, 1024, 3, 2048, 1, 512, 3),
     "smoke": Sizes("smoke", 48, 1, 1, 2, 256, 128, 1, 96, 2, 32, 1),
 }
 
@@ -155,19 +155,33 @@ def median_time(fn, device, reps: int, warmup: int = 1) -> tuple[float, list[flo
     return statistics.median(times), times
 
 
-def paired_ratio(base, fn, device, reps: int, warmup: int = 1) -> dict:
+def paired_ratio(base, fn, device, reps: int, warmup: int = 1, base_warmup: bool = True,
+                 setup=None, teardown=None) -> dict:
     """Median of t(fn)/t(base) over ``reps`` interleaved pairs (order alternates: A B, B A, ...),
-    after ``warmup`` untimed calls of each."""
+    after ``warmup`` untimed calls of each (of ``fn`` only with ``base_warmup=False``, when the
+    baseline is already warm). ``setup``/``teardown`` run, untimed, around every call of ``fn``
+    (e.g. attaching a method to the model that ``base`` must see unpatched)."""
+
+    def timed_fn():
+        if setup is not None:
+            setup()
+        try:
+            return clock(fn, device)
+        finally:
+            if teardown is not None:
+                teardown()
+
     for _ in range(warmup):
-        base()
-        fn()
+        if base_warmup:
+            base()
+        timed_fn()
     tb, tf = [], []
     for i in range(max(1, reps)):
         if i % 2 == 0:
             tb.append(clock(base, device))
-            tf.append(clock(fn, device))
+            tf.append(timed_fn())
         else:
-            tf.append(clock(fn, device))
+            tf.append(timed_fn())
             tb.append(clock(base, device))
     ratios = [f / b for f, b in zip(tf, tb)]
     return {

@@ -12,7 +12,8 @@ the last query row, so the discarded prefill output costs nothing; H2O and SnapK
 
 Per method: bytes held (stored bits / 8, K + V), the ratio to the FP16 cache (16 bits per element),
 measured bpd_K / bpd_V against ``nominal_bpd(T)``, and the resident bytes of the state's tensors
-(decoded working copies and any storage the state keeps alive included; informational). The row is
+(per-sequence storages only: decoded working copies, and any storage a kept view holds alive;
+the method's static parameters are excluded; informational). The row is
 the largest relative deviation |measured / nominal - 1| over K and V; target at most 2%.
 """
 
@@ -125,7 +126,9 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=MEMORY_CASES) -> list[Row]:
             state.attend(qq, k, v, scaling=scaling, prefill=True, k_pre=k_pre, rope=rope)
             bk, bv = state.stored_bits()
             bits_k, bits_v = bits_k + bk, bits_v + bv
-            resident += resident_bytes(state)
+            static: set = set()
+            resident_bytes(method, static)  # per-model constants (projections, steps, their caches)
+            resident += resident_bytes(state, static)
             del state
         measured = (bits_k / elements, bits_v / elements)
         nominal = method.nominal_bpd(t)
@@ -135,7 +138,8 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=MEMORY_CASES) -> list[Row]:
             "memory", f"{label} ({budget_label(bpd, v_bpd)})", "|measured/formula - 1|", max(dev), "%", "<=",
             TARGET_PCT, shown=f"{max(dev):.3g}%",
             note=(f"{fmt_bytes(held)} = {held / fp16_bytes:.3f} of fp16 {fmt_bytes(fp16_bytes)}; "
-                  f"bpd K {measured[0]:.3f}/{nominal[0]:.3f}, V {measured[1]:.3f}/{nominal[1]:.3f}"),
+                  f"bpd K {measured[0]:.3f}/{nominal[0]:.3f}, V {measured[1]:.3f}/{nominal[1]:.3f}; "
+                  f"resident {resident / fp16_bytes:.2f}x fp16"),
             detail={
                 "method": name, "options": options, "bpd": bpd, "v_bpd": v_bpd, "tokens": t,
                 "bytes_held": held, "bytes_fp16": fp16_bytes, "ratio_to_fp16": held / fp16_bytes,

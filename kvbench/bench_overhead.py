@@ -42,14 +42,22 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=EVAL_CASES) -> list[Row]:
     rows = []
     for label, name, options, bpd, v_bpd, kind in cases:
         method = make_method(name, options, shape, bpd, v_bpd, stats)
-        comp = attach(bm.model, method)
-        try:
-            lm = CompressedLM(bm.model, bm.tokenizer, comp)
-            log.info("overhead: %s (%s), %d x %d tokens", label, budget_label(bpd, v_bpd), *windows.shape)
-            res = paired_ratio(base, track_a(lm, label), bm.device, sizes.eval_reps)
-            measured = lm.measured_bpd
-        finally:
-            comp.detach()
+        # the method is attached only around its own passes: FP16's run on the unpatched model
+        lm = CompressedLM(bm.model, bm.tokenizer, None)
+
+        def setup():
+            lm.compressor = attach(bm.model, method)
+
+        def teardown():
+            lm.compressor.detach()
+            lm.compressor = None
+
+        log.info("overhead: %s (%s), %d x %d tokens", label, budget_label(bpd, v_bpd), *windows.shape)
+        res = paired_ratio(base, track_a(lm, label), bm.device, sizes.eval_reps, base_warmup=not rows,
+                           setup=setup, teardown=teardown)
+        measured = lm.measured_bpd
+        if ppl_box[label] == ppl_box["fp16"] and name != "fp16":
+            log.warning("overhead: %s gives exactly FP16's perplexity (nothing compressed at this length?)", label)
         rows.append(Row(
             "overhead", f"{label} ({budget_label(bpd, v_bpd)})", "time / fp16", res["ratio"], "x",
             "<=", TARGETS[kind],

@@ -25,6 +25,7 @@ from .tracking import log_result
 log = logging.getLogger("kvbench")
 
 TASKS = ("ppl", "zeroshot", "longbench")
+PREDICTIONS_FILE = "predictions.json"
 _MODELS: dict[tuple, LoadedModel] = {}
 
 
@@ -118,15 +119,18 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
     if "longqa_squad" in datasets:
         from .evals.longqa_squad import evaluate_longqa_squad
 
-        result["metrics"]["longqa_squad"] = evaluate_longqa_squad(
-            lm, n_items=_limit(cfg, lb) or 20, seed=cfg.seed
-        )
+        out = evaluate_longqa_squad(lm, n_items=_limit(cfg, lb) or 20, seed=cfg.seed)
+        result["predictions"]["longqa_squad"] = out.pop("records")
+        result["metrics"]["longqa_squad"] = out
     if real:
         from .evals.longbench import evaluate_longbench
 
-        result["metrics"]["longbench"] = evaluate_longbench(
+        out = evaluate_longbench(
             lm, real, lb.get("data_dir"), _limit(cfg, lb), lb.max_length, bool(cfg.model.chat)
         )
+        result["predictions"]["longbench"] = out.pop("records")
+        result["counts"]["longbench_items"] = out.pop("counts")
+        result["metrics"]["longbench"] = out
 
 
 TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench}
@@ -165,6 +169,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     result["job_id"] = jid
     result["config"] = OmegaConf.to_container(cfg, resolve=True)
     result["counts"] = {}
+    result["predictions"] = {}  # per-item generations: written beside result.json, not in it
     timings = result["timings"]
     comp = None
     t_start = time.perf_counter()
@@ -208,6 +213,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         if comp is not None:
             comp.detach()
     timings["total_s"] = time.perf_counter() - t_start
+    predictions = result.pop("predictions")
+    if predictions:
+        write_atomic(Path(out_dir) / PREDICTIONS_FILE, predictions)
     write_atomic(path, result)
     print_summary(result, path)
     log_result(result, OmegaConf.to_container(cfg.wandb, resolve=True), Path(out_dir))

@@ -148,6 +148,42 @@ class H2O(KVMethod):
         return bpd, bpd
 
 
+#: query rows per block of the decode-mode logits and outputs: only the columns a block's queries
+#: can see are computed (about half of the [n, m + n] matrix for a long chunk)
+ROW_BLOCK = 256
+
+
+def _causal_logits(q: torch.Tensor, kw: torch.Tensor, m: int, scaling: float) -> list[torch.Tensor]:
+    """Logits of the n new queries over the m kept + n new keys, in row blocks: block [r0, r1) is
+    [B, Hkv, g, r1 - r0, m + r1] (compute dtype), one GEMM per KV head with the scaling folded in.
+    The strict upper triangle of each block's diagonal part (keys after the query) is zeroed: those
+    logits are never read and the probabilities there are 0."""
+    b, hq, n, d = q.shape
+    h = kw.shape[1]
+    g = hq // h
+    cdt = compute_dtype(q)
+    qg = q.to(cdt).reshape(b * h, g, n, d)
+    kt = kw.to(cdt).reshape(b * h, m + n, d).transpose(1, 2)
+    none = torch.zeros((), dtype=cdt, device=q.device)
+    blocks = []
+    for r0 in range(0, n, ROW_BLOCK):
+        r1 = min(n, r0 + ROW_BLOCK)
+        qb = qg[:, :, r0:r1].reshape(b * h, g * (r1 - r0), d)
+        blk = torch.baddbmm(none, qb, kt[:, :, : m + r1], beta=0.0, alpha=scaling)
+        blk = blk.view(b, h, g, r1 - r0, m + r1)
+        upper = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=q.device).triu(1)
+        blk[..., m + r0 :].masked_fill_(upper, 0.0)
+        blocks.append(blk)
+    return blocks
+
+
+def _block_output(blk: torch.Tensor, vw: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Probabilities [B, Hkv, g, r, c] x values [B, Hkv, >= c, d] -> outputs [B, Hkv*g, r, d]."""
+    b, h, g, r, c = blk.shape
+    out = torch.bmm(blk.reshape(b * h, g * r, c), vw[:, :, :c].to(blk.dtype).reshape(b * h, c, -1))
+    return out.view(b, h, g, r, -1).reshape(b, h * g, r, -1).to(out_dtype)
+
+
 @dataclass
 class H2OLayerState(LayerState):
     """One layer's H2O cache: kept K, V [B, Hkv, C, d] (same C for every head), their fp32
@@ -229,12 +265,12 @@ class H2OLayerState(LayerState):
         # columns (later tokens are simply not in the slice), so a step costs a handful of ops.
         pen = torch.zeros(b, h, m + n, dtype=score.dtype, device=dev)
         inf = float("inf")
-        # all logits at once; row i is overwritten by its probabilities at step i
-        probs = grouped_logits(q, kw, scaling)  # [B, Hkv, g, n, m + n]
-        if n > 1:  # probabilities of later tokens are 0 (those logits are never read)
-            probs[..., m:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=dev).triu(1), 0.0)
+        g = q.shape[1] // h
+        # logits in row blocks; row i is overwritten by its probabilities at step i
+        blocks = _causal_logits(q, kw, m, scaling)
+        rows = [r for blk in blocks for r in blk.unbind(dim=3)]  # views, made once
+        pens = pen[:, :, None, :]
         kept = m
-        rows, pens = probs.unbind(dim=3), pen[:, :, None, :]  # views, made once
         for i in range(n):
             t = self._seen + i
             w = m + i + 1
@@ -242,7 +278,7 @@ class H2OLayerState(LayerState):
             row = rows[i][..., :w]
             p_i = torch.softmax(row - pens[..., :w], dim=-1)
             row.copy_(p_i)
-            score[..., :w] += p_i.mean(dim=2)
+            score[..., :w].add_(p_i.sum(dim=2), alpha=1.0 / g)  # the group mean
             cap, c_r = self.budget(t)
             if kept > cap:
                 if m == 0:  # positions are seen + index: the eligible (old) tokens are a prefix
@@ -258,7 +294,7 @@ class H2OLayerState(LayerState):
                     pen.scatter_(-1, j, inf)
                     kept -= 1
         keep = pen == 0
-        out = grouped_output(probs, vw, q.dtype)
+        out = torch.cat([_block_output(blk, vw, q.dtype) for blk in blocks], dim=2)
         idx = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :kept]
         self._store(kw, vw, score, pos, idx.sort(dim=-1).values)
         self._seen += n

@@ -42,8 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from .attention import causal_attention, work_dtype
+from .attention import causal_attention, expand_kv, work_dtype
 from .base import KVMethod, LayerState, Unsupported
 from .groupquant import GroupPacked, dequantize_groups, quantize_groups
 
@@ -162,6 +163,79 @@ def mixed_attention(q, kp, k_ex, k_hat, key_mask, vp, v_ex, v_hat, val_mask, sca
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
 
 
+#: chunks of at least this many queries take :func:`blocked_attention` (fused SDPA); shorter ones
+#: (decode steps) the eager :func:`mixed_attention`, which reads the cache without copying it
+SDPA_MIN_QUERIES = 16
+
+
+def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_window, scaling):
+    """:func:`mixed_attention` for the masks KIVI and SVDq use, with torch's fused SDPA kernel.
+
+    Key s is read quantized by query t iff ``s < key_block * floor(t / key_block)``; with ``v_hat``
+    given, value s iff ``s < t - value_window`` (``v_hat=None``: one version of the values, ``v_ex``,
+    after the prefix ``vp``). Arguments as in :func:`mixed_attention`; the tails start where the
+    prefixes end, and the key prefix must end on a key block boundary at or below the first query's.
+
+    The queries are split at key-block boundaries. Every query of a group shares the block start
+    B, so it reads hat keys before B and exact keys from B on: one causal SDPA call over that key
+    sequence (written into a working copy of the hat keys and restored afterwards). A value rule
+    splits at most one block of positions (t - value_window falls inside it for the group's
+    queries); those positions enter twice, with hat and with exact values, under complementary
+    masks. Same softmax over the same logits as the eager path, so equal up to rounding; the work
+    is that of exact causal attention, without the [Tq, N] logits in memory."""
+    tq = q.shape[2]
+    pk = 0 if kp is None else kp.shape[2]
+    pv = 0 if vp is None else vp.shape[2]
+    n = pk + k_ex.shape[2]
+    n0 = n - tq
+    keys = k_hat.clone() if kp is None else torch.cat([kp, k_hat.to(kp.dtype)], dim=2)
+    keys = keys.to(q.dtype)
+    if v_hat is None:
+        vals = v_ex if vp is None else torch.cat([vp, v_ex.to(vp.dtype)], dim=2)
+        vals = vals.to(q.dtype)
+    else:
+        v_hat_all = (v_hat if vp is None else torch.cat([vp, v_hat.to(vp.dtype)], dim=2)).to(q.dtype)
+        v_ex = v_ex.to(q.dtype)
+    k_ex = k_ex.to(q.dtype)
+    group = q.shape[1] // keys.shape[1]
+    outs = []
+    t0 = n0
+    while t0 < n:
+        start = key_block * (t0 // key_block)
+        t1 = min(n, start + key_block)
+        if start < pk:
+            raise ValueError("blocked_attention: the key prefix ends inside a query's key block")
+        saved = keys[:, :, start:t1].clone()
+        keys[:, :, start:t1] = k_ex[:, :, start - pk : t1 - pk]
+        qg = q[:, :, t0 - n0 : t1 - n0]
+        if v_hat is None:
+            outs.append(causal_attention(qg, keys[:, :, :t1], vals[:, :, :t1], scaling))
+        else:
+            outs.append(_two_value_group(qg, keys, v_hat_all, v_ex, pv, t0, t1, value_window, scaling, group))
+        keys[:, :, start:t1] = saved
+        t0 = t1
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _two_value_group(qg, keys, v_hat_all, v_ex, pv, t0, t1, window, scaling, group):
+    """One query group [t0, t1) of :func:`blocked_attention` when values have two versions."""
+    lo, hi = max(0, t0 - window), t1 - 1 - window  # positions whose version depends on the query
+    cut = max(hi + 1, 0)
+    k_main, v_main = keys[:, :, :t1], torch.cat([v_hat_all[:, :, :cut], v_ex[:, :, cut - pv : t1 - pv]], dim=2)
+    dev = qg.device
+    tpos = torch.arange(t0, t1, device=dev)[:, None]
+    spos = torch.arange(t1, device=dev)[None, :]
+    mask = (spos <= tpos) & ~((spos >= lo) & (spos <= hi) & (spos >= tpos - window))
+    if hi >= lo:  # the zone again, with exact values, visible where the hat copy is not
+        zpos = torch.arange(lo, hi + 1, device=dev)[None, :]
+        k_main = torch.cat([k_main, keys[:, :, lo : hi + 1]], dim=2)
+        v_main = torch.cat([v_main, v_ex[:, :, lo - pv : hi + 1 - pv]], dim=2)
+        mask = torch.cat([mask, zpos >= tpos - window], dim=1)
+    return F.scaled_dot_product_attention(
+        qg, expand_kv(k_main, group), expand_kv(v_main, group), attn_mask=mask, scale=scaling
+    )
+
+
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=2)
 
@@ -219,7 +293,8 @@ def _advance(store: _SideStore, x_new, n_quant_new, quantize):
         newhat = dequantize_groups(gp).to(tail.dtype)
         hat_tail = torch.cat([newhat, tail[:, :, m:]], dim=2)
         store.hat.append(newhat)
-    store.res = tail[:, :, max(m, 0) :]
+    # a slice would keep the whole chunk's full-precision storage alive: copy the few tokens kept
+    store.res = tail[:, :, m:].clone() if m > 0 else tail
     return hat_tail, tail
 
 
@@ -255,6 +330,10 @@ class KiviLayerState(LayerState):
         self._seen = n
         if prefill:
             return causal_attention(q, k, v, scaling)
+        if t >= SDPA_MIN_QUERIES:
+            if self.v_bits is None:
+                return blocked_attention(q, kp, k_ex_t, k_hat_t, r, None, self.v_exact.data, None, None, scaling)
+            return blocked_attention(q, kp, k_ex_t, k_hat_t, r, vp, v_ex_t, v_hat_t, r, scaling)
         tpos = torch.arange(n0, n, device=q.device)[:, None]
         pk = 0 if kp is None else kp.shape[2]
         key_mask = torch.arange(pk, n, device=q.device)[None, :] < r * torch.div(

@@ -55,7 +55,17 @@ import torch
 from .attention import causal_attention
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope
 from .groupquant import dequantize_groups, quantize_groups
-from .kivi import Growing, _advance, _cat, _row, _SideStore, grid_choice, mixed_attention
+from .kivi import (
+    SDPA_MIN_QUERIES,
+    Growing,
+    _advance,
+    _cat,
+    _row,
+    _SideStore,
+    blocked_attention,
+    grid_choice,
+    mixed_attention,
+)
 
 N_GROUPS = 8
 PAPER_SCHEDULE = (8, 4, 2, 1, 1, 0, 0, 0)
@@ -174,8 +184,11 @@ class SVDqLayerState(LayerState):
             self.packed.extend(packs)
             self.k_hat.append(new_hat)
             hat_tail = torch.cat([new_hat, post[:, :, m:]], dim=2)
-        self.buf_pre, self.buf_post = pre[:, :, m:], post[:, :, m:]
-        self.buf_cos, self.buf_sin = cos[:, m:], sin[:, m:]
+        # the buffers are copies when m > 0: slices would keep the whole chunk's storage alive
+        keep = (lambda x: x[:, :, m:].clone()) if m > 0 else (lambda x: x)
+        keep_rope = (lambda x: x[:, m:].clone()) if m > 0 else (lambda x: x)
+        self.buf_pre, self.buf_post = keep(pre), keep(post)
+        self.buf_cos, self.buf_sin = keep_rope(cos), keep_rope(sin)
         if self.v_bits is None:
             self.v_exact.append(v)
             v_all = self.v_exact.data
@@ -186,6 +199,8 @@ class SVDqLayerState(LayerState):
         self._seen = n
         if prefill:
             return causal_attention(q, k, v, scaling)
+        if k.shape[2] >= SDPA_MIN_QUERIES:
+            return blocked_attention(q, kp, post, hat_tail, g, None, v_all, None, None, scaling)
         tpos = torch.arange(n0, n, device=q.device)[:, None]
         pk = 0 if kp is None else kp.shape[2]
         key_mask = torch.arange(pk, n, device=q.device)[None, :] < g * torch.div(
