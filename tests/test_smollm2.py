@@ -62,7 +62,7 @@ def test_cobra_without_quantization_at_full_rank_is_fp16(setup):
 
 @pytest.mark.parametrize(
     "name,bpd,v_bpd,options",
-    [("cobra_kl", 1.0, None, {}), ("h2o", 2.0, None, {})],
+    [("cobra_kl", 1.0, None, {})],  # H2O: tests/test_integration.py and tests/test_h2o.py (fast)
 )
 def test_in_pass_equals_decoding_on_smollm2(setup, name, bpd, v_bpd, options):
     model, ids, stats = setup
