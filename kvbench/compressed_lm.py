@@ -97,32 +97,37 @@ class CompressedLM:
         """Greedy decoding; stops after ``max_new_tokens`` or at a token in ``stop_ids``."""
         input_ids = input_ids.to(self.device)
         self._check_batch(input_ids)
-        stop = set(int(s) for s in stop_ids)
-        new: list[int] = []
         if self.compressor is None:
-            out = self.model(input_ids=input_ids, use_cache=True)
-            cache, logits = returned_cache(out), out.logits[:, -1]
-            name = cache_argument(self.model)
-            for _ in range(max_new_tokens):
-                token = int(logits.argmax(-1))
-                new.append(token)
-                if token in stop or len(new) == max_new_tokens:
-                    break
-                step = torch.tensor([[token]], device=self.device)
-                out = self.model(input_ids=step, use_cache=True, **{name: cache})
-                cache, logits = returned_cache(out), out.logits[:, -1]
-            return new
+            name, state = cache_argument(self.model), {}
+
+            def step(ids, pos):
+                extra = {name: state["cache"]} if "cache" in state else {}
+                out = self.model(input_ids=ids, use_cache=True, **extra)
+                state["cache"] = returned_cache(out)
+                return out.logits[:, -1]
+
+            return _greedy(step, input_ids, max_new_tokens, stop_ids)
         comp = self.compressor
         with comp.session():
-            logits = comp.forward(input_ids, 0, prefill=True)[:, -1]
-            pos = input_ids.shape[1]
-            for _ in range(max_new_tokens):
-                token = int(logits.argmax(-1))
-                new.append(token)
-                if token in stop or len(new) == max_new_tokens:
-                    break
-                step = torch.tensor([[token]], device=self.device)
-                logits = comp.forward(step, pos, prefill=False)[:, -1]
-                pos += 1
+            new = _greedy(
+                lambda ids, pos: comp.forward(ids, pos, prefill=pos == 0)[:, -1],
+                input_ids, max_new_tokens, stop_ids,
+            )
             self._record()
         return new
+
+
+def _greedy(step, input_ids: torch.Tensor, max_new_tokens: int, stop_ids) -> list[int]:
+    """Greedy loop over ``step(ids, start_position) -> last logits``: the prompt first, then one
+    token at a time."""
+    stop = set(int(s) for s in stop_ids)
+    logits = step(input_ids, 0)
+    pos, new = input_ids.shape[1], []
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax(-1))
+        new.append(token)
+        if token in stop or len(new) == max_new_tokens:
+            break
+        logits = step(torch.tensor([[token]], device=input_ids.device), pos)
+        pos += 1
+    return new
