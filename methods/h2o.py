@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -148,6 +149,22 @@ class H2O(KVMethod):
         return bpd, bpd
 
 
+@contextlib.contextmanager
+def _one_thread(device: torch.device):
+    """One intra-op thread on a CPU for the duration: the per-token loop runs a dozen tiny ops per
+    token, and a second OpenMP thread only adds fork/join and spin-wait time to each of them (2-5x
+    slower on a 2-core machine, far worse when it is shared). Restored afterwards."""
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 #: query rows per block of the decode-mode logits and outputs: only the columns a block's queries
 #: can see are computed (about half of the [n, m + n] matrix for a long chunk)
 ROW_BLOCK = 256
@@ -264,13 +281,25 @@ class H2OLayerState(LayerState):
         # pen: 0 for a kept token, +inf once evicted. Row i reads only its m + i + 1 visible
         # columns (later tokens are simply not in the slice), so a step costs a handful of ops.
         pen = torch.zeros(b, h, m + n, dtype=score.dtype, device=dev)
-        inf = float("inf")
         g = q.shape[1] // h
         # logits in row blocks; row i is overwritten by its probabilities at step i
         blocks = _causal_logits(q, kw, m, scaling)
         rows = [r for blk in blocks for r in blk.unbind(dim=3)]  # views, made once
         pens = pen[:, :, None, :]
         kept = m
+        with _one_thread(q.device):
+            kept = self._evict_loop(rows, pens, pen, score, pos, m, n, g, kept)
+        keep = pen == 0
+        out = torch.cat([_block_output(blk, vw, q.dtype) for blk in blocks], dim=2)
+        idx = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :kept]
+        self._store(kw, vw, score, pos, idx.sort(dim=-1).values)
+        self._seen += n
+        return out
+
+    def _evict_loop(self, rows, pens, pen, score, pos, m, n, g, kept):
+        """The per-token part of :meth:`_decode`: row i's softmax over the kept tokens, the score
+        update, then evictions down to the budget. Returns the number of tokens kept."""
+        inf = float("inf")
         for i in range(n):
             t = self._seen + i
             w = m + i + 1
@@ -293,12 +322,7 @@ class H2OLayerState(LayerState):
                         j = torch.where(old, score + pen, inf).argmin(dim=-1, keepdim=True)
                     pen.scatter_(-1, j, inf)
                     kept -= 1
-        keep = pen == 0
-        out = torch.cat([_block_output(blk, vw, q.dtype) for blk in blocks], dim=2)
-        idx = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :kept]
-        self._store(kw, vw, score, pos, idx.sort(dim=-1).values)
-        self._seen += n
-        return out
+        return kept
 
     def _store(self, k, v, score, pos, idx):
         d_idx = idx[..., None].expand(*idx.shape, k.shape[-1])
