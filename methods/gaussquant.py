@@ -184,6 +184,7 @@ def unpack_codes(packed: torch.Tensor, widths: torch.Tensor, m: int) -> torch.Te
     step = _block_rows(g, row_bits)
     for start in range(0, sup, step):
         d = data[start : start + step].to(torch.int32)
-        word = d.index_select(1, byte) | (d.index_select(1, byte + 1) << 8)
+        lo_idx = byte.expand(d.shape[0], -1)  # gather: index_select along dim 1 is slow for ints
+        word = torch.gather(d, 1, lo_idx) | (torch.gather(d, 1, lo_idx + 1) << 8)
         out[start : start + step] = (word >> shift) & mask
     return out.reshape(-1, n)[:m]

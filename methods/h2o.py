@@ -13,8 +13,6 @@ from .base import KVMethod, LayerState, Unsupported
 from .sparsifier import (
     attention_column_sums,
     compute_dtype,
-    grouped_logits,
-    grouped_output,
     recent_plus_top,
     round_half_up,
     shared_target,

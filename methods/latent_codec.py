@@ -77,6 +77,7 @@ class LatentKeyCodec(Codec):
         self.slots = self.width.numel()  # H * r_max latent slots, padded ones have 0 bits
         self.active = torch.nonzero(self.width.reshape(-1) > 0).reshape(-1)  # index: no device sync
         self.widths = self.width.reshape(-1)[self.active]
+        self.padded = self.active.numel() < self.slots  # some slots carry 0 bits (ragged ranks)
         self.steps = self.step.reshape(-1)[self.active]
         self.quantize = quantize
         self._cache: dict = {}
@@ -103,7 +104,9 @@ class LatentKeyCodec(Codec):
         dt = _compute_dtype(x)
         mu, enc, _, steps, widths, active = self._params(x.device, dt)
         c = torch.einsum("bhtd,hrd->bthr", x.to(dt) - mu[None, :, None, :], enc)
-        flat = c.reshape(b * t, -1).index_select(1, active)
+        flat = c.reshape(b * t, -1)
+        if self.padded:
+            flat = flat.index_select(1, active)
         if not self.quantize:
             return PackedCodes(flat, (b, h, t, d), dt, raw=True)
         return PackedCodes(pack_codes(quantize(flat, steps, widths), self.widths), (b, h, t, d), dt)
@@ -117,8 +120,11 @@ class LatentKeyCodec(Codec):
         else:
             codes = unpack_codes(packed.data, self.widths, b * t)
             c_act = dequantize(codes, steps, widths)
-        c = torch.zeros(b * t, self.slots, dtype=dt, device=packed.data.device)
-        c[:, active] = c_act
+        if self.padded:
+            c = torch.zeros(b * t, self.slots, dtype=dt, device=packed.data.device)
+            c.scatter_(1, active.expand(b * t, -1), c_act)  # faster than c[:, active] = c_act
+        else:
+            c = c_act
         c = c.reshape(b, t, h, self.slots // h)
         return mu[None, :, None, :] + torch.einsum("bthr,hrd->bhtd", c, dec)
 

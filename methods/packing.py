@@ -23,10 +23,10 @@ def packed_nbytes(n: int, bits: int) -> int:
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes [..., n] -> uint8 [..., ceil(n * bits / 8)].
 
-    Every 8 consecutive codes fill exactly ``bits`` bytes: they are OR-ed into one integer word
-    (code j at bit ``j * bits``) whose bytes, least significant first, are the stream. This is the
-    little-endian bit stream of the module docstring, built with ~n word operations instead of
-    one int64 per bit."""
+    For 1, 2 and 4 bits, 8/b codes fill one byte (code j at bit ``j * bits``). Otherwise every 8
+    consecutive codes fill exactly ``bits`` bytes: they are OR-ed into one integer word whose bytes,
+    least significant first, are the stream. Either way this is the little-endian bit stream of the
+    module docstring, built with a few operations per code instead of one int64 per bit."""
     _check_bits(bits)
     if codes.dtype.is_floating_point:
         raise TypeError("pack_bits takes integer codes")
@@ -38,6 +38,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         lo, hi = torch.aminmax(codes)
         if int(lo) < 0 or int(hi) >= (1 << bits):
             raise ValueError(f"codes out of range for {bits} bits")
+    if bits in (1, 2, 4):  # whole codes per byte: shift them in uint8 and add (no overlapping bits)
+        k = 8 // bits
+        c = codes.to(torch.uint8)
+        if n % k:
+            c = torch.nn.functional.pad(c, (0, (-n) % k))
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        return (c.reshape(*lead, -1, k) << shifts).sum(-1, dtype=torch.uint8)
     word_dtype = torch.int32 if bits <= 3 else torch.int64  # 8 codes of b bits: 8b <= 24 or <= 56
     c = codes.to(word_dtype)
     if n % 8:
