@@ -22,7 +22,11 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
     for group, values in result.get("metrics", {}).items():
         if isinstance(values, dict):
             for key, value in values.items():
-                if isinstance(value, (int, float)) or value is None:
+                if isinstance(value, bool) or key == "seed":  # settings, not measurements
+                    continue
+                if isinstance(value, float) and key.endswith("_s"):
+                    rows.append((f"{group}/{key}", f"{value:.1f} s"))
+                elif isinstance(value, (int, float)) or value is None:
                     rows.append((f"{group}/{key}", _fmt(value)))
     for key, value in result.get("timings", {}).items():
         rows.append((f"time/{key}", f"{value:.1f} s" if isinstance(value, float) else _fmt(value)))
