@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only runs with config.experiment=NAME")
     common.add_argument("--longbench-metric", default="longbench_avg", metavar="COLUMN",
                         help="metric for the LongBench column (default longbench_avg; e.g. "
-                             "longbench_longqa_squad or longqa_squad for the offline stand-in)")
+                             "longbench_qasper, or longqa_squad_f1 for the offline stand-in)")
 
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

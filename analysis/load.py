@@ -7,7 +7,7 @@ Columns of the frame:
 - ``target_k``, ``target_v``, ``measured_k``, ``measured_v`` (bits per element; a missing value
   budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V);
 - one column per numeric metric, named ``GROUP_KEY``: ``ppl_wikitext2``, ``zeroshot_avg``,
-  ``zeroshot_piqa_acc_norm``, ``longbench_avg``, ``longbench_longqa_squad``, ...;
+  ``zeroshot_acc_norm_piqa``, ``longbench_avg``, ``longbench_qasper``, ``longqa_squad_f1``, ...;
 - the resolved config flattened with dots (``config.method.c2``, ``config.v_bpd``,
   ``config.experiment``) and the timings (``timings.eval_s``).
 

@@ -207,3 +207,20 @@ def test_real_generation_smollm2(smollm2, data_dir):
     rec = out["records"]["hotpotqa"][0]
     assert isinstance(rec["prediction"], str) and rec["truncated"]
     assert 0.0 <= out["hotpotqa"] <= 100.0
+
+
+def test_max_length_fits_the_model_window():
+    assert lb.fit_context(31500, 128, 32768, "qasper") == 31500  # a 32k model: as asked
+    assert lb.fit_context(31500, 128, 8192, "qasper") == 8192 - 128  # SmolLM2: prompt + answer fit
+    assert lb.fit_context(3500, 128, None) == 3500  # no window in the config: as asked
+
+
+def test_records_carry_the_max_length_used(data_dir, tokenizer):
+    class Config:
+        max_position_embeddings = 600
+
+    lm = EchoLM(tokenizer, ["x", "y"])
+    lm.model = type("Model", (), {"config": Config()})()
+    out = lb.evaluate_longbench(lm, ["triviaqa"], data_dir, None, 31500, False)
+    assert [r["max_length"] for r in out["records"]["triviaqa"]] == [600 - 32] * 2
+    assert all(c[0][1] <= 600 for c in lm.calls)

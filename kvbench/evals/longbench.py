@@ -32,6 +32,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .f1 import best_f1
 from .longbench_prompts import DATASET2MAXLEN, DATASET2PROMPT, ENGLISH_F1, FIRST_LINE, NO_CHAT
@@ -205,12 +206,32 @@ def generate_answer(lm, input_ids: list[int], max_new_tokens: int, stop_ids: lis
     return lm.tokenizer.decode(new, skip_special_tokens=True)
 
 
+def context_window(model) -> int | None:
+    """The positions the model was trained for (``max_position_embeddings``), if it says."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def fit_context(max_length: int, max_new_tokens: int, window: int | None, dataset: str = "") -> int:
+    """``max_length`` lowered so that prompt + answer fit the model's window.
+
+    pred.py takes ``max_length`` per model (model2maxlen.json: 3500 for 4k models, 31500 for 32k
+    ones); a prompt longer than the positions a model was trained for measures RoPE extrapolation,
+    not the cache, so a smaller model gets ``window - max_new_tokens`` and a log line."""
+    if window is None or max_length + max_new_tokens <= window:
+        return max_length
+    fitted = window - max_new_tokens
+    log.info("longbench %s: max_length %d -> %d (model window %d, %d new tokens)",
+             dataset, max_length, fitted, window, max_new_tokens)
+    return fitted
+
+
 def evaluate_dataset(
     lm, dataset: str, items: list[dict], max_length: int, chat: bool
 ) -> list[dict]:
     stop_ids = stop_token_ids(lm.model, lm.tokenizer)
+    max_length = fit_context(max_length, DATASET2MAXLEN[dataset], context_window(lm.model), dataset)
     records = []
-    for item in items:
+    for item in tqdm(items, desc=f"longbench {dataset}", unit="item"):
         prompt = build_prompt(item, dataset, lm.tokenizer, max_length, chat)
         pred = generate_answer(lm, prompt["input_ids"], DATASET2MAXLEN[dataset], stop_ids)
         records.append(
@@ -222,6 +243,7 @@ def evaluate_dataset(
                 "length": item.get("length"),
                 "prompt_tokens": len(prompt["input_ids"]),
                 "truncated": prompt["truncated"],
+                "max_length": max_length,
             }
         )
     return records
@@ -238,8 +260,9 @@ def evaluate_longbench(
     """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (METHODS.md §9.3).
 
     Returns ``{name: score (0-100), "avg": mean of the scores, "counts": {name: items},
-    "records": {name: [{_id, prediction, answers, f1, length, prompt_tokens, truncated}]},
-    "max_length", "chat", "eval_s"}``; the caller stores the records.
+    "records": {name: [{_id, prediction, answers, f1, length, prompt_tokens, truncated, max_length}]},
+    "max_length" (as asked; each record holds the one used), "chat", "eval_s"}``; the caller
+    stores the records.
     """
     datasets = list(datasets)
     unknown = [d for d in datasets if d not in DATASET2PROMPT]

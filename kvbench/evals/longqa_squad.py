@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .longbench import apply_chat, dataset_score, generate_answer, stop_token_ids
 from .f1 import best_f1
 from .longbench_prompts import DATASET2PROMPT
@@ -167,7 +169,8 @@ def evaluate_longqa_squad(
     use_chat = getattr(tok, "chat_template", None) is not None if chat is None else bool(chat)
     stop_ids = stop_token_ids(lm.model, tok)
     records = []
-    for item in build_items(tok, n_items, seed, target_tokens):
+    items = build_items(tok, n_items, seed, target_tokens)
+    for item in tqdm(items, desc="longqa_squad", unit="item"):
         text = apply_chat(tok, item["prompt"]) if use_chat else item["prompt"]
         ids = tok(text, add_special_tokens=not use_chat)["input_ids"]
         pred = generate_answer(lm, ids, MAX_NEW_TOKENS, stop_ids)
