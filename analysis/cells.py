@@ -18,6 +18,7 @@ DIVERGED = "div."
 FAILED = "fail"
 MIXED = "mixed"
 MISSING = "missing"
+NOT_APPLICABLE = "n/a"
 
 NOTES = {
     UNSUPPORTED: "— = unsupported: the method cannot reach this budget (every run reported "
@@ -28,6 +29,9 @@ NOTES = {
             "result.json); rerun it before reporting.",
     MIXED: "mixed = some runs ok and some `unsupported` at the same budget (k/n = unsupported of "
            "all runs).",
+    NOT_APPLICABLE: "n/a = not applicable: the method does not run this task (listed in "
+                    "`unsupported_tasks` of its result.json; SnapKV has no track-A perplexity, "
+                    "METHODS.md §7.4).",
     MISSING: "missing = the metric is not in the result files (task not run); never filled in.",
     "(n=": "(n=k) = only k of the ok runs report this metric; mean ± std over those k.",
 }
@@ -111,6 +115,19 @@ def stat_cell(statuses: list[str], values: list[float], decimals: int, scale: fl
     if len(present) < len(values):
         text += f" (n={len(present)})"
     return Cell(text + suffix, mean, std, len(present))
+
+
+def task_of(column: str) -> str:
+    """The kvbench task (``tasks=`` entry) a metric column comes from."""
+    head = column.split("_", 1)[0]
+    return {"ppl": "ppl", "zeroshot": "zeroshot"}.get(head, "longbench")  # longbench_*, longqa_*
+
+
+def not_applicable(statuses: list[str], tasks_lists: list[str], column: str) -> bool:
+    """True when every ok run lists the column's task as one the method cannot run."""
+    task = task_of(column)
+    ok = [t for s, t in zip(statuses, tasks_lists) if s == "ok"]
+    return bool(ok) and all(task in (t or "").split(",") for t in ok)
 
 
 def mean_cell(statuses: list[str], values: list[float], decimals: int = 2) -> Cell:

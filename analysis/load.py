@@ -3,7 +3,9 @@
 Columns of the frame:
 
 - ``source`` (the file, or ``wandb:ENTITY/PROJECT/ID``), ``status``, ``error``, ``model``,
-  ``method``, ``seed``;
+  ``method``, ``seed``, ``not_applicable`` (comma-joined tasks of the result's
+  ``unsupported_tasks``: an ok run where the method cannot run that task, e.g. SnapKV's PPL in
+  track A);
 - ``target_k``, ``target_v``, ``measured_k``, ``measured_v`` (bits per element; a missing value
   budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V);
 - one column per numeric metric, named ``GROUP_KEY``: ``ppl_wikitext2``, ``zeroshot_avg``,
@@ -31,7 +33,8 @@ RESULT_FILE = "result.json"
 STATUSES = ("ok", "unsupported", "diverged", "failed")
 REQUIRED_KEYS = ("status", "model", "method")
 BUDGET_COLUMNS = ["target_k", "target_v", "measured_k", "measured_v", "bpd_k", "bpd_kv"]
-BASE_COLUMNS = {"source", "status", "error", "model", "method", "seed", *BUDGET_COLUMNS}
+BASE_COLUMNS = {"source", "status", "error", "model", "method", "seed", "not_applicable",
+                *BUDGET_COLUMNS}
 
 
 class NoResultsError(Exception):
@@ -158,6 +161,7 @@ def flatten_record(record: dict, source: str) -> dict[str, Any]:
         "model": str(record["model"]),
         "method": str(record["method"]),
         "seed": seed,
+        "not_applicable": ",".join(sorted(record.get("unsupported_tasks") or {})),
     }
     row.update(budget_columns(record))
     row.update(flatten_metrics(record.get("metrics") or {}))

@@ -10,7 +10,9 @@ from typing import Iterator, Sequence
 
 import pandas as pd
 
-from analysis.cells import Cell, Column, Table, count_cell, marker_notes, mean_cell, stat_cell
+from analysis.cells import (
+    NOT_APPLICABLE, Cell, Column, Table, count_cell, marker_notes, mean_cell, not_applicable, stat_cell,
+)
 from analysis.derived import DEFAULT_PPL_DATASETS, add_ppl_summaries
 from analysis.load import NoResultsError, warn
 from analysis.naming import (
@@ -45,6 +47,15 @@ def _column(frame: pd.DataFrame, name: str) -> list[float]:
     if name not in frame.columns:
         return [math.nan] * len(frame)
     return [float(v) for v in frame[name]]
+
+
+def _metric_cell(runs: pd.DataFrame, statuses: list[str], column: str, decimals: int,
+                 **kwargs) -> Cell:
+    """``stat_cell`` of a metric column, or "n/a" when the method cannot run its task."""
+    tasks = list(runs["not_applicable"]) if "not_applicable" in runs.columns else [""] * len(runs)
+    if not_applicable(statuses, tasks, column):
+        return Cell(NOT_APPLICABLE)
+    return stat_cell(statuses, _column(runs, column), decimals, **kwargs)
 
 
 def _check_metric(frame: pd.DataFrame, name: str, hint: str) -> None:
@@ -150,10 +161,10 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] = DEFAULT_PPL_DA
             Cell(_budget_text(first.target_k, first.target_v)),
             mean_cell(statuses, _column(runs, "measured_k")),
             mean_cell(statuses, _column(runs, "bpd_kv")),
-            stat_cell(statuses, _column(runs, "ppl_mean"), 2, suffix=mark),
-            stat_cell(statuses, _column(runs, "ppl_gmean"), 2, suffix=mark),
-            stat_cell(statuses, _column(runs, "zeroshot_avg"), 1, scale=100.0),
-            stat_cell(statuses, _column(runs, longbench_metric), 2),
+            _metric_cell(runs, statuses, "ppl_mean", 2, suffix=mark),
+            _metric_cell(runs, statuses, "ppl_gmean", 2, suffix=mark),
+            _metric_cell(runs, statuses, "zeroshot_avg", 1, scale=100.0),
+            _metric_cell(runs, statuses, longbench_metric, 2),
             count_cell(statuses),
         ])
 
@@ -262,8 +273,8 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str = "wikitext2",
         table.rows.append([
             Cell(label), Cell(model_name(first.model)),
             Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})"), measured,
-            stat_cell(statuses, _column(runs, ppl_col), 2),
-            stat_cell(statuses, _column(runs, longbench_metric), 2),
+            _metric_cell(runs, statuses, ppl_col, 2),
+            _metric_cell(runs, statuses, longbench_metric, 2),
             count_cell(statuses),
         ])
 

@@ -91,6 +91,7 @@ def run_to_record(run: Any) -> dict[str, Any] | None:
         "bpd": bpd,
         "metrics": metrics,
         "timings": summary.get("timings") or {},
+        "unsupported_tasks": summary.get("unsupported_tasks") or {},
         "config": config,
         "versions": summary.get("versions") or {},
     }

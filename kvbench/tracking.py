@@ -19,7 +19,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 MODES = ("offline", "online", "disabled")
 #: result fields copied into the run's summary (slash-flattened: ``metrics/ppl/ptb``, ``bpd/measured_k``)
-SUMMARY_FIELDS = ("status", "error", "model", "method", "seed", "job_id", "bpd", "metrics", "timings")
+SUMMARY_FIELDS = (
+    "status", "error", "model", "method", "seed", "job_id", "bpd", "metrics", "timings", "unsupported_tasks",
+)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

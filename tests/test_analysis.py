@@ -366,3 +366,21 @@ def test_protocol_differences_split_rows(tmp_path, capsys):
     assert len(rows) == 2
     assert "KV-COBRA-KL (ppl_track=A)" in rows[0] and " 20.00 |" in rows[0]
     assert "KV-COBRA-KL (ppl_track=B)" in rows[1] and " 21.00 |" in rows[1]
+
+
+def test_task_the_method_cannot_run_is_na_not_missing(tmp_path, capsys):
+    """SnapKV in track A: status ok, `unsupported_tasks: {ppl: ...}`, no PPL metric -> "n/a"."""
+    root = tmp_path / "r"
+    path = write_run(root, "snapkv", method="snapkv", zeroshot=0.5, longbench=10.0)
+    record = json.loads(path.read_text())
+    record["unsupported_tasks"] = {"ppl": "snapkv compresses a prefilled context; use track B"}
+    path.write_text(json.dumps(record))
+    write_run(root, "h2o", method="h2o", zeroshot=0.5, longbench=10.0)  # PPL simply not run
+    code, out, _ = run_cli(["main-table", root], capsys)
+    assert code == 0
+    snap = next(line for line in out.splitlines() if "SnapKV" in line)
+    h2o = next(line for line in out.splitlines() if "H2O" in line)
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    assert cells(snap).count("n/a") == 2 and "missing" not in snap
+    assert cells(h2o).count("missing") == 2 and "n/a" not in h2o
+    assert "n/a = not applicable" in out
