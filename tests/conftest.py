@@ -18,6 +18,29 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): per-token loops of tiny ops only gain
+    spin-waits from a second thread (up to 50x slower on a shared 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2's tokenizer (the converted checkpoint; skips where the model package is absent)."""
+    from transformers import AutoTokenizer
+
+    from kvbench.models import ModelNotFound, smollm2_checkpoint
+
+    try:
+        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    except ModelNotFound as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is absent (only on the project's own machines)")

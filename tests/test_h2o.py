@@ -10,14 +10,7 @@ from methods.base import ModelShape, Unsupported
 from methods.h2o import H2O, H2OLayerState
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Per-token loops of tiny ops: a second intra-op thread only adds spin-waits (and is 50x
-    slower on a shared 2-core machine). Restored after each test."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def softmax(x):

@@ -20,18 +20,6 @@ def data_dir() -> Path:
     return LONGBENCH_DIR
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from kvbench.models import ModelNotFound, smollm2_checkpoint
-
-    try:
-        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    except ModelNotFound as err:
-        pytest.skip(str(err))
-
-
 class ToyTokenizer:
     """One token per whitespace-separated word; id = position in a growing vocabulary."""
 

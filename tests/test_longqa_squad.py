@@ -14,18 +14,6 @@ from kvbench.evals import longqa_squad as lq  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from kvbench.models import ModelNotFound, smollm2_checkpoint
-
-    try:
-        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    except ModelNotFound as err:
-        pytest.skip(str(err))
-
-
-@pytest.fixture(scope="module")
 def pool():
     return lq.load_squad()
 
