@@ -133,5 +133,22 @@ def run(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> list[Row]:
                 "copy_s": copy_s, "copy_gb_per_s": copy_gbps, **extra,
             },
         ))
+    rows.append(conversion_bound(inputs[sizes.codec_tokens], device, io_dtype, sizes.codec_reps))
     return rows
+
+
+def conversion_bound(inp: tuple, device, io_dtype, reps: int) -> Row:
+    """The floor under every codec row: converting the keys to float32 and back, nothing else.
+    Every codec computes in float32 (or wider) from 16-bit keys, so none can beat this row; on a
+    CPU without native half-precision arithmetic it alone is far below the copy bandwidth."""
+    x, _, _, copy_s = inp
+    med, times = median_time(lambda: x.float().to(io_dtype), device, reps)
+    nbytes = x.numel() * 2
+    pct = 100.0 * copy_s / med
+    return Row(
+        "codecs", f"bound: {str(io_dtype).replace('torch.', '')} -> fp32 -> back, no codec", "% of copy",
+        pct, "%", ">=", TARGET_PCT, shown=f"{nbytes / med / 1e9:.3g} GB/s = {pct:.3g}%",
+        note="the least any codec row does (it computes in fp32)",
+        detail={"seconds": med, "times_s": times, "copy_s": copy_s, "shape": list(x.shape)},
+    )
 
