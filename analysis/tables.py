@@ -12,6 +12,7 @@ import pandas as pd
 
 from analysis.cells import (
     NOT_APPLICABLE, Cell, Column, Table, count_cell, marker_notes, mean_cell, not_applicable, stat_cell,
+    status_marker,
 )
 from analysis.derived import DEFAULT_PPL_DATASETS, add_ppl_summaries
 from analysis.load import NoResultsError, warn
@@ -51,9 +52,10 @@ def _column(frame: pd.DataFrame, name: str) -> list[float]:
 
 def _metric_cell(runs: pd.DataFrame, statuses: list[str], column: str, decimals: int,
                  **kwargs) -> Cell:
-    """``stat_cell`` of a metric column, or "n/a" when the method cannot run its task."""
+    """``stat_cell`` of a metric column, or "n/a" when every run is ok and the method cannot run
+    the column's task (a status marker such as "fail" takes precedence)."""
     tasks = list(runs["not_applicable"]) if "not_applicable" in runs.columns else [""] * len(runs)
-    if not_applicable(statuses, tasks, column):
+    if status_marker(statuses) is None and not_applicable(statuses, tasks, column):
         return Cell(NOT_APPLICABLE)
     return stat_cell(statuses, _column(runs, column), decimals, **kwargs)
 
