@@ -139,8 +139,9 @@ def run(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> list[Row]:
 
 def conversion_bound(inp: tuple, device, io_dtype, reps: int) -> Row:
     """The floor under every codec row: converting the keys to float32 and back, nothing else.
-    Every codec computes in float32 (or wider) from 16-bit keys, so none can beat this row; on a
-    CPU without native half-precision arithmetic it alone is far below the copy bandwidth."""
+    Every codec computes in float32 (or wider) from 16-bit keys, so none can beat this row. On a
+    CPU it also shows the allocator: a float32 copy above glibc's mmap threshold (32 MiB) is
+    page-faulted in on every call (docs/performance.md)."""
     x, _, _, copy_s = inp
     med, times = median_time(lambda: x.float().to(io_dtype), device, reps)
     nbytes = x.numel() * 2
