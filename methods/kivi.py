@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .attention import causal_attention, work_dtype
+from .attention import causal_attention, causal_mask, work_dtype
 from .base import KVMethod, LayerState, Unsupported
 from .groupquant import GroupPacked, dequantize_groups, quantize_groups
 
@@ -198,7 +198,6 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
         v_ex = v_ex.to(q.dtype)
     k_ex = k_ex.to(q.dtype)
     outs = []
-    tri = _upper_inf(key_block, q)
     t0 = n0
     while t0 < n:
         start = key_block * (t0 // key_block)
@@ -208,13 +207,12 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
         saved = keys[:, :, start:t1].clone()
         keys[:, :, start:t1] = k_ex[:, :, start - pk : t1 - pk]
         qg = q[:, :, t0 - n0 : t1 - n0]
-        if v_hat is None and t1 - t0 == t1:  # from position 0: plain causal attention
+        if v_hat is None and t0 == 0:  # from position 0: plain causal attention
             outs.append(causal_attention(qg, keys[:, :, :t1], vals[:, :, :t1], scaling))
-        elif v_hat is None:  # every key before t0 is visible: only the last t1 - t0 columns mask
-            g = q.shape[1] // keys.shape[1]
-            mask = torch.zeros(g, t1 - t0, t1, dtype=q.dtype, device=q.device)  # tiled for the fold
-            mask[:, :, t0:] = tri if tri.shape[0] == t1 - t0 else _upper_inf(t1 - t0, q)
-            outs.append(_folded_attention(qg, keys[:, :, :t1], vals[:, :, :t1], mask.view(-1, t1), scaling))
+        elif v_hat is None:  # queries t0..t1-1 over keys 0..t1-1, as an additive mask
+            keep = causal_mask(t1 - t0, t1, q.device)
+            mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+            outs.append(_folded_attention(qg, keys[:, :, :t1], vals[:, :, :t1], mask, scaling))
         else:
             outs.append(_two_value_group(qg, keys, v_hat_all, v_ex, pv, t0, t1, value_window, scaling))
         keys[:, :, start:t1] = saved
@@ -239,24 +237,17 @@ def _two_value_group(qg, keys, v_hat_all, v_ex, pv, t0, t1, window, scaling):
     return _folded_attention(qg, k_main, v_main, mask, scaling)
 
 
-def _upper_inf(n: int, like: torch.Tensor) -> torch.Tensor:
-    """[n, n] additive causal mask: 0 on and below the diagonal, -inf above."""
-    upper = torch.ones(n, n, dtype=torch.bool, device=like.device).triu(1)
-    return torch.zeros(n, n, dtype=like.dtype, device=like.device).masked_fill_(upper, float("-inf"))
-
-
 def _folded_attention(q, k, v, mask, scaling):
     """SDPA with a mask [Tq, Tk] (boolean, or additive in q's dtype, which the CPU kernel reads
-    faster; or already tiled, [g * Tq, Tk]) for grouped-query heads without repeating K and V: the
-    g query heads of each KV head are stacked along the query axis and the mask tiled to match."""
+    faster) for grouped-query heads without repeating K and V: the g query heads of each KV head
+    are stacked along the query axis and the mask tiled to match."""
     b, hq, tq, d = q.shape
     h = k.shape[1]
     g = hq // h
     if g == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     qf = q.reshape(b, h, g * tq, d)
-    if mask.shape[0] != g * tq:  # not tiled yet
-        mask = mask.repeat(g, 1)
+    mask = mask.repeat(g, 1)
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scaling)
     return out.view(b, h, g, tq, -1).reshape(b, hq, tq, -1)
 
