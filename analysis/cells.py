@@ -120,7 +120,8 @@ def stat_cell(statuses: list[str], values: list[float], decimals: int, scale: fl
 def task_of(column: str) -> str:
     """The kvbench task (``tasks=`` entry) a metric column comes from."""
     head = column.split("_", 1)[0]
-    return {"ppl": "ppl", "zeroshot": "zeroshot"}.get(head, "longbench")  # longbench_*, longqa_*
+    # longbench_*, longqa_* (longqa_squad runs inside the longbench task); ruler_*, ruler_wiki_*
+    return {"ppl": "ppl", "zeroshot": "zeroshot", "ruler": "ruler"}.get(head, "longbench")
 
 
 def not_applicable(statuses: list[str], tasks_lists: list[str], column: str) -> bool:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from analysis.derived import DEFAULT_PPL_DATASETS, parse_datasets
+from analysis.derived import parse_datasets
 from analysis.load import NoResultsError
 
 EXIT_USAGE = 2
@@ -22,9 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the runs from W&B (public API) instead of RUNS_DIR")
     common.add_argument("--experiment", metavar="NAME",
                         help="only runs with config.experiment=NAME")
-    common.add_argument("--longbench-metric", default="longbench_avg", metavar="COLUMN",
-                        help="metric for the LongBench column (default longbench_avg; e.g. "
-                             "longbench_qasper, or longqa_squad_f1 for the offline stand-in)")
+    common.add_argument("--longbench-metric", default=None, metavar="COLUMN",
+                        help="metric of the long-context column (default: the one the runs "
+                             "have: longbench_avg, else longqa_squad_f1, the offline stand-in, "
+                             "else RULER; e.g. longbench_qasper)")
 
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -35,26 +36,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     main = sub.add_parser("main-table", parents=[common], help="the main table (mean ± std)")
     table_options(main)
-    main.add_argument("--ppl-datasets", default=",".join(DEFAULT_PPL_DATASETS),
-                      metavar="A,B,C", help="PPL datasets averaged (default wikitext2,ptb,c4)")
+    main.add_argument("--ppl-datasets", default=None, metavar="A,B,C",
+                      help="PPL datasets averaged (default: those every run with PPL reports, "
+                           "e.g. wikitext2,ptb,c4 or ptb,wiki_proxy offline)")
     main.add_argument("--ppl-partial", action="store_true",
                       help="average the datasets a run has when some are missing (marked *)")
 
     abl = sub.add_parser("ablation", parents=[common], help="the ablation table")
     table_options(abl)
-    abl.add_argument("--ppl-dataset", default="wikitext2", metavar="NAME",
-                     help="PPL dataset of the PPL column (default wikitext2; smoke runs: "
-                          "wiki_proxy or ptb)")
+    abl.add_argument("--ppl-dataset", default=None, metavar="NAME",
+                     help="PPL dataset of the PPL column (default: the first of wikitext2, ptb, "
+                          "c4, then alphabetical, that every run with PPL reports)")
 
     plot = sub.add_parser("plot", parents=[common], help="rate-distortion PNGs, one per model")
-    plot.add_argument("--metric", default="ppl_mean",
-                      help="ppl_mean (default), ppl_gmean, ppl_wikitext2, zeroshot_avg, "
-                           "longbench_avg, ... (any numeric metric column)")
-    plot.add_argument("--x", choices=["bpd_kv", "bpd_k"], default="bpd_kv",
-                      help="x axis: measured bpd_KV (default) or bpd_K")
+    plot.add_argument("--metric", default=None,
+                      help="ppl_mean, ppl_gmean, ppl_ptb, zeroshot_avg, longbench_avg, "
+                           "longqa_squad_f1, ... (any numeric metric column; default ppl_mean, "
+                           "else zeroshot_avg, else the long-context metric)")
+    plot.add_argument("--x", choices=["auto", "bpd_kv", "bpd_k"], default="auto",
+                      help="x axis: measured bpd_K or bpd_KV = (K+V)/2 (default auto: bpd_K "
+                           "when every compressed run keeps V at 16 bits, the K-track)")
     plot.add_argument("--out", default="figures", metavar="DIR", help="output directory")
-    plot.add_argument("--ppl-datasets", default=",".join(DEFAULT_PPL_DATASETS), metavar="A,B,C",
-                      help="datasets of ppl_mean / ppl_gmean")
+    plot.add_argument("--ppl-datasets", default=None, metavar="A,B,C",
+                      help="datasets of ppl_mean / ppl_gmean (default: those every run with "
+                           "PPL reports)")
     plot.add_argument("--ppl-partial", action="store_true",
                       help="average the datasets a run has when some are missing")
     return parser
@@ -91,8 +96,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     frame = load_frame(args, parser)
     if args.command == "main-table":
         from analysis.tables import main_table
-        datasets = parse_datasets(args.ppl_datasets)
-        if not datasets:
+        datasets = None if args.ppl_datasets is None else parse_datasets(args.ppl_datasets)
+        if datasets == []:
             parser.error("--ppl-datasets is empty")
         write_table(main_table(frame, datasets, args.ppl_partial, args.longbench_metric,
                                args.experiment), args)
@@ -105,8 +110,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.experiment:
             from analysis.select import experiment_of
             frame = frame[experiment_of(frame) == args.experiment]
-        for path in plot_rate_distortion(frame, args.metric, args.out, args.x,
-                                         parse_datasets(args.ppl_datasets), args.ppl_partial):
+        datasets = None if args.ppl_datasets is None else parse_datasets(args.ppl_datasets)
+        for path in plot_rate_distortion(frame, args.metric, args.out, args.x, datasets,
+                                         args.ppl_partial):
             print(path)
     return 0
 

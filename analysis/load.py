@@ -7,7 +7,12 @@ Columns of the frame:
   ``unsupported_tasks``: an ok run where the method cannot run that task, e.g. SnapKV's PPL in
   track A);
 - ``target_k``, ``target_v``, ``measured_k``, ``measured_v`` (bits per element; a missing value
-  budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V);
+  budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V). The
+  measured figures are the result's convention figure (METHODS.md §0, v2);
+- the rest of the ``bpd`` block flattened with dots: ``bpd.end_k``, ``bpd.convention``,
+  ``bpd.by_task.ppl.measured_k``, ... (absent in result files older than convention v2);
+- ``zeroshot.split.<task>``, ``zeroshot.metric.<task>``, ``zeroshot.source`` (the text fields of
+  the zero-shot block) and the result's ``counts`` as ``counts.*`` (``counts.ppl_track``, ...);
 - one column per numeric metric, named ``GROUP_KEY``: ``ppl_wikitext2``, ``zeroshot_avg``,
   ``zeroshot_acc_norm_piqa``, ``longbench_avg``, ``longbench_qasper``, ``longqa_squad_f1``, ...;
 - the resolved config flattened with dots (``config.method.c2``, ``config.v_bpd``,
@@ -150,6 +155,38 @@ def budget_columns(record: dict) -> dict[str, float]:
     }
 
 
+def bpd_detail_columns(record: dict) -> dict[str, Any]:
+    """The ``bpd`` block beyond the four budget columns, as ``bpd.*`` columns.
+
+    ``bpd.end_k``/``bpd.end_v`` (end-of-sequence figure), ``bpd.convention`` and, per task,
+    ``bpd.by_task.<task>.{measured_k,measured_v,end_k,end_v,convention}``. Old result files have
+    none of them; readers fall back to ``measured_k``/``measured_v`` (see analysis.budget).
+    """
+    bpd = record.get("bpd") or {}
+    extra = {k: v for k, v in bpd.items() if k not in ("target_k", "target_v", "measured_k",
+                                                        "measured_v")}
+    flat = flatten_dotted(extra, "bpd")
+    return {k: float(v) if is_number(v) else v for k, v in flat.items()}
+
+
+def zeroshot_text_columns(metrics: dict) -> dict[str, Any]:
+    """The zero-shot block's text fields (split and headline metric per task, data source).
+
+    flatten_metrics keeps numbers only; the table notes need these (METHODS.md §9.2).
+    """
+    zeroshot = metrics.get("zeroshot")
+    if not isinstance(zeroshot, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("split", "metric"):
+        if isinstance(zeroshot.get(key), dict):
+            out.update({f"zeroshot.{key}.{task}": value for task, value in zeroshot[key].items()
+                        if isinstance(value, str)})
+    if isinstance(zeroshot.get("source"), str):
+        out["zeroshot.source"] = zeroshot["source"]
+    return out
+
+
 def flatten_record(record: dict, source: str) -> dict[str, Any]:
     """One validated record -> one flat row (see the module docstring for the columns)."""
     config = record.get("config") or {}
@@ -164,7 +201,13 @@ def flatten_record(record: dict, source: str) -> dict[str, Any]:
         "not_applicable": ",".join(sorted(record.get("unsupported_tasks") or {})),
     }
     row.update(budget_columns(record))
-    row.update(flatten_metrics(record.get("metrics") or {}))
+    row.update(bpd_detail_columns(record))
+    metrics = record.get("metrics") or {}
+    row.update(flatten_metrics(metrics))
+    row.update(zeroshot_text_columns(metrics))
+    counts = record.get("counts")
+    if isinstance(counts, dict):
+        row.update(flatten_dotted(counts, "counts"))
     row.update(flatten_dotted(config, "config"))
     timings = record.get("timings") or {}
     if isinstance(timings, dict):
@@ -181,8 +224,17 @@ def records_to_frame(records: Iterable[tuple[str, dict]]) -> pd.DataFrame:
     # budgets, metrics and timings are then made float (missing -> NaN).
     frame = pd.DataFrame(rows, dtype=object)
     numeric = BUDGET_COLUMNS + metric_columns(frame) + [
-        c for c in frame.columns if c.startswith("timings.")]
+        c for c in frame.columns if c.startswith("timings.") or is_bpd_number_column(frame, c)]
     return frame.astype({c: float for c in numeric})
+
+
+def is_bpd_number_column(frame: pd.DataFrame, column: str) -> bool:
+    """``bpd.end_k``, ``bpd.by_task.ppl.measured_v``, ...: bpd-block columns holding only numbers
+    (a field a writer sets to null in some runs counts; text fields such as the convention not)."""
+    if not column.startswith("bpd."):
+        return False
+    present = [v for v in frame[column] if v is not None]
+    return bool(present) and all(is_number(v) for v in present)
 
 
 def metric_columns(frame: pd.DataFrame) -> list[str]:

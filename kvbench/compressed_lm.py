@@ -8,8 +8,20 @@
 * ``generate(input_ids, max_new_tokens, stop_ids)`` — greedy decoding from a compressed cache
   (prefill exact, compress, decode per the method's rules). LongBench.
 
-With no compressor (FP16, or ``method=None``) the plain, unpatched model runs. After each call
-``measured_bpd`` holds the bpd_K, bpd_V of the cache it ended with (METHODS.md §0).
+With no compressor (FP16, or ``method=None``) the plain, unpatched model runs.
+
+Forward passes that need only their last rows ask the model for those (``logits_to_keep``,
+:func:`kvbench.integrate.last_logits`): a 31.5k-token prefill keeps one row, not 8-10 GB of
+bf16 logits (issue 15, finding 3).
+
+Measured bpd (METHODS.md §0, convention v2): each call appends a :class:`BpdReading` to
+``readings`` — in ``logits`` the mean over query positions of what the cache held when each query
+read it (the reported figure of PPL track A and zero-shot); in ``score``/``generate`` the cache at
+the end of the exact prefill (the reported figure: what the method compressed the prompt to) and,
+beside it, the mean over the scored/decoded positions of what each of them read (decoded tokens are
+appended per the method's rules, so it can lie above the prefill figure). Every reading also keeps
+the end-of-sequence figure; ``measured_bpd`` is that of the last call. :func:`summarize_readings`
+pools the readings of one evaluation.
 """
 
 from __future__ import annotations
@@ -20,11 +32,57 @@ import torch
 
 from methods import Unsupported
 
-from .integrate import Compressor, cache_argument, returned_cache
+from .integrate import Compressor, cache_argument, last_logits, returned_cache
 
 
 class NotInPass(Unsupported):
     """The method has no single-pass (Q-all) simulation (SnapKV: METHODS.md §7.4)."""
+
+
+QALL = "Q-all: mean over query positions of the cache each query read"
+PREFILL = "prefill-exact: cache at the end of prefill (decode_mean: what the scored/decoded positions read)"
+
+
+@dataclass
+class BpdReading:
+    """Measured bpd_K, bpd_V of one call: ``mean`` (the convention's figure: the mean over the
+    ``positions`` queries of a Q-all pass, or the end of prefill), ``end`` (end of sequence) and, for
+    prefill-exact calls, ``decode_mean`` (mean over the ``positions`` scored/decoded queries)."""
+
+    regime: str
+    mean: tuple
+    end: tuple
+    positions: int
+    decode_mean: tuple | None = None
+
+
+def _mean_over(reads: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple, int]:
+    k = torch.cat([r[0] for r in reads])
+    v = torch.cat([r[1] for r in reads])
+    return (float(k.mean()), float(v.mean())), k.numel()
+
+
+def summarize_readings(readings: list[BpdReading]) -> dict | None:
+    """One evaluation's measured bpd: the position-weighted mean of the readings' figures, the
+    mean end-of-sequence (and end-of-prefill) figures, the convention, and the call count."""
+    if not readings:
+        return None
+    weight = [r.positions if r.regime == QALL else 1 for r in readings]  # prefill: per call
+    n = sum(weight)
+    out = {
+        "measured_k": sum(r.mean[0] * w for r, w in zip(readings, weight)) / n,
+        "measured_v": sum(r.mean[1] * w for r, w in zip(readings, weight)) / n,
+        "end_k": sum(r.end[0] for r in readings) / len(readings),
+        "end_v": sum(r.end[1] for r in readings) / len(readings),
+        "convention": " + ".join(sorted({r.regime for r in readings})),
+        "calls": len(readings),
+    }
+    dec = [r for r in readings if r.decode_mean is not None and r.positions]
+    if dec:
+        m = sum(r.positions for r in dec)
+        out["decode_mean_k"] = sum(r.decode_mean[0] * r.positions for r in dec) / m
+        out["decode_mean_v"] = sum(r.decode_mean[1] * r.positions for r in dec) / m
+    return out
 
 
 @dataclass
@@ -33,6 +91,7 @@ class CompressedLM:
     tokenizer: object
     compressor: Compressor | None = None
     measured_bpd: tuple = field(default=(16.0, 16.0))
+    readings: list = field(default_factory=list)
 
     @property
     def method(self):
@@ -54,9 +113,19 @@ class CompressedLM:
                 f"padding cannot interact with compression); got input of shape {tuple(ids.shape)}"
             )
 
-    def _record(self) -> None:
-        if self.compressor is not None:
-            self.measured_bpd = self.compressor.measured_bpd()
+    def _record(self, regime: str, reads: list, positions: int, prefill_end=None) -> None:
+        """Append the call's :class:`BpdReading` (``reads``: per-pass ``read_bpd`` tensors; for a
+        prefill-exact call, ``prefill_end`` is the headline and ``reads`` the decoded positions)."""
+        if self.compressor is None:
+            full = (16.0, 16.0)
+            self.readings.append(BpdReading(regime, full, full, positions, full if regime == PREFILL else None))
+            return
+        self.measured_bpd = self.compressor.measured_bpd()
+        mean, n = _mean_over(reads) if reads else (None, 0)
+        if regime == PREFILL:
+            self.readings.append(BpdReading(regime, prefill_end, self.measured_bpd, n, mean))
+        else:
+            self.readings.append(BpdReading(regime, mean or self.measured_bpd, self.measured_bpd, max(n, 1)))
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -68,7 +137,8 @@ class CompressedLM:
         if self.compressor is not None:
             self._check_batch(input_ids)
         out = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
-        self._record()
+        reads = self.compressor.read_bpd() if self.compressor is not None else None
+        self._record(QALL, [reads] if reads is not None else [], input_ids.shape[-1])
         return out
 
     @torch.no_grad()
@@ -78,16 +148,21 @@ class CompressedLM:
         tc = context_ids.shape[1]
         if self.compressor is None:
             ids = torch.cat([context_ids, target_ids], dim=1)
-            logits = self.model(input_ids=ids, use_cache=False).logits[:, tc - 1 : -1]
+            tt = target_ids.shape[1]  # positions tc-1 .. end-1 predict the targets
+            out = self.model(input_ids=ids, use_cache=False, **last_logits(self.model, tt + 1)).logits
+            logits = out[:, -(tt + 1) : -1]
+            self._record(PREFILL, [], tt - 1)
         else:
             self._check_batch(context_ids)
             comp = self.compressor
             with comp.session():
-                first = comp.forward(context_ids, 0, prefill=True)[:, -1:]
-                parts = [first]
+                first = comp.forward(context_ids, 0, prefill=True, last=1)
+                prefill_end = comp.measured_bpd()
+                parts, reads = [first], []
                 if target_ids.shape[1] > 1:
                     parts.append(comp.forward(target_ids[:, :-1], tc, prefill=False))
-                self._record()
+                    reads.append(comp.read_bpd())
+                self._record(PREFILL, reads, 0, prefill_end)
             logits = torch.cat(parts, dim=1)
         logprobs = logits.float().log_softmax(-1)
         return logprobs.gather(-1, target_ids[..., None])[..., 0]
@@ -102,18 +177,27 @@ class CompressedLM:
 
             def step(ids, pos):
                 extra = {name: state["cache"]} if "cache" in state else {}
-                out = self.model(input_ids=ids, use_cache=True, **extra)
+                out = self.model(input_ids=ids, use_cache=True, **extra, **last_logits(self.model))
                 state["cache"] = returned_cache(out)
                 return out.logits[:, -1]
 
-            return _greedy(step, input_ids, max_new_tokens, stop_ids)
+            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
+            self._record(PREFILL, [], len(new) - 1)
+            return new
         comp = self.compressor
         with comp.session():
-            new = _greedy(
-                lambda ids, pos: comp.forward(ids, pos, prefill=pos == 0)[:, -1],
-                input_ids, max_new_tokens, stop_ids,
-            )
-            self._record()
+            ends, reads = [], []
+
+            def step(ids, pos):
+                logits = comp.forward(ids, pos, prefill=pos == 0, last=1)[:, -1]
+                if pos == 0:
+                    ends.append(comp.measured_bpd())
+                else:
+                    reads.append(comp.read_bpd())
+                return logits
+
+            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
+            self._record(PREFILL, reads, 0, ends[0])
         return new
 
 

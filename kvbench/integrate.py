@@ -50,6 +50,28 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+_LOGITS_ARGUMENT: dict = {}
+
+
+def logits_argument(model) -> str | None:
+    """The argument that limits the logits to the last positions: ``logits_to_keep`` (transformers
+    4.50 and every 5.x, 5.17 and 5.24 included), ``num_logits_to_keep`` (4.45-4.49), or None when
+    ``forward`` takes neither (then every position's logits are computed)."""
+    kind = type(model)
+    if kind not in _LOGITS_ARGUMENT:
+        params = inspect.signature(model.forward).parameters
+        _LOGITS_ARGUMENT[kind] = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
+    return _LOGITS_ARGUMENT[kind]
+
+
+def last_logits(model, n: int = 1) -> dict:
+    """Keyword arguments for a forward pass that needs the logits of its last ``n`` positions only
+    (a prefill keeps one row: at 31.5k tokens the full logits are 8-10 GB in bf16, issue 15,
+    finding 3). The logits keep their shape [B, n, V]."""
+    name = logits_argument(model)
+    return {} if name is None else {name: n}
+
+
 def returned_cache(output):
     """The cache a forward pass returned, under either name."""
     cache = getattr(output, "cache", None)
@@ -104,6 +126,8 @@ class Compressor:
     prefill: bool = False
     #: per layer (bits_k, bits_v, tokens) after the last forward pass
     last_bits: list = field(default_factory=list)
+    #: per layer, what each query of the last forward pass read (``LayerState.read_bits``)
+    last_reads: list = field(default_factory=list)
     _k_pre: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
     _handles: list = field(default_factory=list)
@@ -123,7 +147,21 @@ class Compressor:
         )
         bits_k, bits_v = state.stored_bits()
         self.last_bits[layer] = (bits_k, bits_v, state.n_seen)
+        self.last_reads[layer] = state.read_bits()
         return out
+
+    def read_bpd(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """bpd_K, bpd_V [T] that each query of the last forward pass read (METHODS.md §0 v2):
+        the bits all layers held when query i read them / ((n0 + i + 1) N d); None when that pass
+        was an exact prefill."""
+        if not self.last_reads or any(r is None for r in self.last_reads):
+            return None
+        bits_k = sum(r[0] for r in self.last_reads)
+        bits_v = sum(r[1] for r in self.last_reads)
+        t, seen = bits_k.shape[0], self.last_bits[0][2]
+        tokens = torch.arange(seen - t + 1, seen + 1, dtype=torch.float64)
+        elements = tokens * (self.shape.n_heads_total * self.shape.head_dim * self._batch)
+        return bits_k / elements, bits_v / elements
 
     def measured_bpd(self) -> tuple[float, float]:
         """bpd_K, bpd_V of the cache after the last pass: stored bits / (T * N * d), METHODS.md §0."""
@@ -148,18 +186,28 @@ class Compressor:
             self.states = None
             self.prefill = False
 
-    def forward(self, input_ids: torch.Tensor, start: int, prefill: bool) -> torch.Tensor:
-        """Run new tokens at positions ``start..`` through the open session; returns logits."""
+    def forward(self, input_ids: torch.Tensor, start: int, prefill: bool, last: int = 0) -> torch.Tensor:
+        """Run new tokens at positions ``start..`` through the open session; returns logits
+        [B, T, V], or those of the last ``last`` positions only ([B, last, V]; 0 = all)."""
         if self.states is None:
             raise RuntimeError("forward() needs an open session(); plain model(...) is Q-all")
         self.prefill = prefill
         t = input_ids.shape[1]
         positions = torch.arange(start, start + t, device=input_ids.device)
         positions = positions[None].expand(input_ids.shape[0], t)
+        extra = last_logits(self.model, last) if last else {}
+        # An explicit (all-true) 2D padding mask: given position_ids, no mask and no cache,
+        # transformers (5.17, 5.24) checks the positions for packed sequences, a device->host sync
+        # per forward pass, i.e. per decode step (issue 15, finding 5). The mask function
+        # registered for "kvbench" returns None either way.
+        mask = torch.ones(input_ids.shape[0], start + t, dtype=torch.bool, device=input_ids.device)
         try:
-            return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+            logits = self.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra
+            ).logits
         finally:
             self.prefill = False
+        return logits[:, -last:] if last else logits
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -178,6 +226,7 @@ def attach(model, method: KVMethod) -> Compressor:
     shape = model_shape(model)
     comp = Compressor(model=model, method=method, shape=shape)
     comp.last_bits = [(0, 0, 0)] * shape.n_layers
+    comp.last_reads = [None] * shape.n_layers
     comp._previous_impl = model.config._attn_implementation
     for idx, module in enumerate(attention_modules(model)):
         if getattr(module, "_kvbench", None) is not None:

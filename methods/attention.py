@@ -58,14 +58,38 @@ def causal_attention(
     """Exact causal attention of the last ``Tq`` positions over all ``Tk`` keys.
 
     Uses torch's fused ``scaled_dot_product_attention`` (the kernel of transformers' ``sdpa``
-    path), so a 32k-token prefill never materializes the [Tq, Tk] probability matrix."""
+    path), so a 32k-token prefill never materializes the [Tq, Tk] probability matrix.
+
+    Decisions where METHODS.md is silent (issue 15, finding 4): grouped-query heads are never
+    expanded. Without a mask SDPA reads them natively (``enable_gqa``, as transformers' ``sdpa``
+    path does: same kernel, same numbers); a single query reads every key, so a decode step needs
+    no mask at all; a chunk of ``1 < Tq < Tk`` queries after a prefix (bottom-right causal mask)
+    folds the g query heads of each KV head into its query axis (:func:`folded_attention`), since
+    a masked ``enable_gqa`` call falls back to the unfused kernel on CUDA."""
     tq, tk = q.shape[2], k.shape[2]
-    group = q.shape[1] // k.shape[1]
-    k, v = expand_kv(k, group), expand_kv(v, group)
+    gqa = q.shape[1] != k.shape[1]
     if tq == tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-    mask = causal_mask(tq, tk, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if tq == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
+    return folded_attention(q, k, v, causal_mask(tq, tk, device=q.device), scaling)
+
+
+def folded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """SDPA with a mask [Tq, Tk] shared by all heads (boolean, True = keep, or additive) for
+    grouped-query heads without repeating K and V: the g query heads of each KV head are stacked
+    along the query axis and the mask tiled to match."""
+    b, hq, tq, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, h, g * tq, d), k, v, attn_mask=mask.repeat(g, 1), scale=scaling
+    )
+    return out.view(b, h, g, tq, -1).reshape(b, hq, tq, -1)
 
 
 def group_mean(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

@@ -64,6 +64,9 @@ class LayerStats:
     cov_k, cov_v: [H, d, d] centered covariances.
     m_q: [H, d, d] uncentered query second moment averaged over the g query heads of each group.
     n_tokens: tokens the moments were computed from.
+    k_sample, v_sample: optional [H, n, d] float16 samples of the same calibration tokens, centered
+        (k - mu_k, v - mu_v), for the calibrated step of §1.1b; ``None`` unless a method asked for
+        them (``calibration_sample_tokens()``). The n tokens are shared by all heads of all layers.
     """
 
     mu_k: torch.Tensor
@@ -72,6 +75,27 @@ class LayerStats:
     cov_v: torch.Tensor
     m_q: torch.Tensor
     n_tokens: int
+    k_sample: torch.Tensor | None = None
+    v_sample: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What a job's measured bpd is taken over (METHODS.md §0 v2), for methods whose storage
+    depends on the sequence length (fp16 buffers, per-sequence bases): ``"qall"`` = the mean over
+    ``tokens`` query positions from an empty cache (PPL track A, zero-shot); ``"prefill"`` = an
+    exact prefill of ``tokens`` prompt tokens, then the mean over ``decode`` decoded positions
+    (PPL track B, LongBench, RULER; ``decode=0``: the end of prefill)."""
+
+    kind: str = "qall"
+    tokens: int = 2048
+    decode: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("qall", "prefill"):
+            raise ValueError(f"regime kind must be 'qall' or 'prefill', got {self.kind!r}")
+        if self.tokens < 1 or self.decode < 0:
+            raise ValueError(f"regime needs tokens >= 1 and decode >= 0, got {self.tokens}, {self.decode}")
 
 
 @dataclass
@@ -80,6 +104,19 @@ class Rope:
 
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+def held_bits(n_read: torch.Tensor, n_quant: torch.Tensor, quant_bits: float, full_bits: float,
+              fixed: float = 0.0) -> torch.Tensor:
+    """Bits of one side of a cache that holds ``n_read`` tokens of which ``n_quant`` are stored
+    compressed at ``quant_bits`` per token, the rest at ``full_bits`` per token, plus ``fixed``
+    (per-sequence bases). Elementwise over query positions (float64 CPU tensors)."""
+    return n_quant * quant_bits + (n_read - n_quant) * full_bits + fixed
+
+
+def query_positions(n0: int, t: int) -> torch.Tensor:
+    """Positions n0..n0+t-1 of a chunk's queries as float64 CPU values (for :func:`held_bits`)."""
+    return torch.arange(n0, n0 + t, dtype=torch.float64)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +153,16 @@ class LayerState:
         """Bits held for keys and for values right now, from the stored representation."""
         raise NotImplementedError
 
+    def read_bits(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the cache held, (bits_K, bits_V) as float64 CPU tensors [T], when each of the T
+        queries of the last ``attend`` call read it (METHODS.md §0, convention v2); None after a
+        ``prefill=True`` call, whose queries read the exact prompt.
+
+        Subclasses set ``self._reads`` in ``attend`` from their stored representation and their
+        storage rule (for a chunk of T queries in decode semantics, query i reads what T
+        single-token steps would hold at step i), without a device synchronization."""
+        return getattr(self, "_reads", None)
+
     @property
     def n_seen(self) -> int:
         """Tokens that have entered this layer (kept or evicted)."""
@@ -138,6 +185,16 @@ class KVMethod:
     def configure(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None) -> None:
         """Choose knobs for the targets; raise :class:`Unsupported` if they cannot be met."""
         raise NotImplementedError
+
+    def set_regime(self, regime: Regime) -> None:
+        """Tell the method what its measured bpd will be taken over (before ``configure``). Only
+        methods whose cost per token depends on the position use it (SVDq); the default
+        :class:`Regime` (Q-all over 2048 positions) applies when the harness says nothing."""
+        self._regime = regime
+
+    @property
+    def regime(self) -> Regime:
+        return getattr(self, "_regime", None) or Regime()
 
     def calibrate(self, stats: list[LayerStats], seed: int = 0) -> None:
         """Fit per-layer parameters from calibration statistics (calibrated methods only)."""

@@ -3,7 +3,8 @@
 KV-COBRA: "KV Cache Compression via Co-Optimized Bit-Rank Allocation", arXiv 2609.24298,
 NeurIPS 2026, known here only through the project's seed summary (``seeds/003_*.txt``; the paper
 itself was not found). Specification: METHODS.md §5 (§5.1-§5.11), with §1.1 (fixed-step
-quantizer) and §1.2 (calibration statistics). The allocation lives in :mod:`methods.cobra_alloc`.
+quantizer), §1.1b (the calibrated step, switch ``step="calibrated"``) and §1.2 (calibration
+statistics). The allocation lives in :mod:`methods.cobra_alloc`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from .cobra_alloc import (
 from .codec_state import CodecLayerState, ExactCodec
 from .gaussquant import step_table
 from .hadamard import equalizing_rotation
-from .latent_codec import LatentKeyCodec, build_value_codecs, sub_seed, value_plan
+from .latent_codec import (
+    LatentKeyCodec,
+    build_value_codecs,
+    centered_samples,
+    check_step,
+    sample_tokens_for,
+    step_multipliers,
+    sub_seed,
+    value_plan,
+)
 
 C2_MODES = {True: "seed", False: "uniform", "seed": "seed", "uniform": "uniform", "exact": "exact"}
 
@@ -96,7 +106,10 @@ class Cobra(KVMethod):
     Options (defaults seed-literal; §5.11 fixes are switches): ``c2`` True (seed C2) | False
     (uniform split, "w/o C2") | "exact" (§5.4 reference solver); ``q_model`` "seed" (2^-2b/12) |
     "gauss" (§1.1 MSE, §5.11a); ``kl_term`` "seed" | "rotated" (§5.11b); ``q_stat`` "plain" |
-    "rope_avg" (§5.11e); ``centered`` (§5.7 ``--uncentered``); ``rotation`` "hadamard" | "none".
+    "rope_avg" (§5.11e); ``centered`` (§5.7 ``--uncentered``); ``rotation`` "hadamard" | "none";
+    ``step`` "gauss" (§5.7, seed-literal) | "calibrated" (§1.1b: Delta = m s*(b) sigma_bar with one
+    multiplier m per head and bit width, minimizing the empirical MSE of the sample latents
+    P (k - mu_K) / sigma_bar of the coordinates that get that width; values likewise, one per head).
     §5.11c (C2 equalizes D*, KKT equalizes -dD*/dB) is addressed by ``c2="exact"``.
 
     Decisions where METHODS.md is silent:
@@ -112,11 +125,19 @@ class Cobra(KVMethod):
     * ``rotation="none"``: steps still use sigma_bar (one step scale per head, the seed's
       "w/o Hadamard" ablation); ``step_scale="coord"`` uses the static per-coordinate RMS instead.
     * ``clip_scale`` multiplies every key step (wider range, fewer clipped outliers); default 1.
+      With ``step="calibrated"`` it multiplies the calibrated step.
+    * ``step="calibrated"`` with ``step_scale="coord"`` normalizes each coordinate by its own RMS
+      before pooling a (head, width) group. Statistics without a sample fall back to the Gaussian
+      step (knobs: ``step_fallback``).
     * Per-head random signs / Haar matrices come from ``seed`` via a fixed (seed, layer, head) hash.
     * Values: sigma_V^2 = E||v||^2 / d uncentered as §5.8 writes it (``v_centered`` subtracts mu_V).
     * Packing: see :mod:`methods.latent_codec` (one bit stream per encode call, each code exactly
       b_j bits, < 8 padding bits per layer and call, counted in the measured bits).
     * ``quantize=False`` stores float32 latents (test mode: exact keys at full rank).
+    * ``first_fp16=True``: METHODS.md §5.9's first-token protection — the sequence's first token (the
+      attention sink, an outlier the fixed steps clip) is stored at 16 bits on both sides
+      (:class:`methods.codec_state.CodecLayerState` ``exact_first``), counted in the measured bpd
+      (about 16 (ln T + 0.58)/T over positions in track A: 0.06 at T = 2048). Off by default.
     """
 
     name: ClassVar[str] = "cobra"
@@ -134,6 +155,8 @@ class Cobra(KVMethod):
     v_group: int = 32
     v_centered: bool = False
     step_scale: str = "mean"
+    step: str = "gauss"
+    first_fp16: bool = False
     clip_scale: float = 1.0
     quantize: bool = True
     eta: float = 0.3
@@ -151,6 +174,7 @@ class Cobra(KVMethod):
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} not in {valid}")
+        check_step(self.name, self.step)
         if self.c2 not in C2_MODES:
             raise ValueError(f"{self.name}: c2={self.c2!r} must be true, false or 'exact'")
         if not self.b_max <= 8:
@@ -185,6 +209,11 @@ class Cobra(KVMethod):
 
     # ---- calibration ----------------------------------------------------------------------------
 
+    def calibration_sample_tokens(self) -> int:
+        """Calibration tokens per head whose keys/values :meth:`calibrate` wants (§1.1b), 0 if none
+        (:func:`methods.latent_codec.sample_tokens_for`)."""
+        return sample_tokens_for(self.step, self._shape is not None, self._total_bits is not None, self._v_bits, self.v_quant)
+
     def allocate(self, w: torch.Tensor, qsum: torch.Tensor) -> torch.Tensor:
         """Per-head integer budgets for weights w [N, d] (C2 / uniform / exact)."""
         kw = dict(b_min=self.b_min, b_max=self.b_max, rank_step=self.rank_step, q_model=self.q_model, qsum=qsum)
@@ -201,7 +230,9 @@ class Cobra(KVMethod):
         shape = self._shape
         if len(stats) != shape.n_layers:
             raise ValueError(f"{self.name}: {len(stats)} LayerStats for {shape.n_layers} layers")
-        self._v_codecs, vknobs = build_value_codecs(stats, self._v_bits, self.v_quant, self.v_group, seed, self.v_centered)
+        self._v_codecs, vknobs = build_value_codecs(
+            stats, self._v_bits, self.v_quant, self.v_group, seed, self.v_centered, self.step
+        )
         self._knobs.update(vknobs, seed=seed)
         if self._total_bits is None:
             self._k_codecs = [ExactCodec() for _ in stats]
@@ -228,7 +259,9 @@ class Cobra(KVMethod):
             widths = torch.tensor(split_bits(int(budgets[n]), r), dtype=torch.long)
             p, sigma, branch = self.head_operator(u[n, :, :r], lam[n, :r], sub_seed(seed, *divmod(n, hkv), 0))
             branches[branch] = branches.get(branch, 0) + 1
-            heads.append((p, step_table(widths) * sigma * self.clip_scale, widths))
+            heads.append((p, sigma, widths))
+        mults, step_knobs = self.step_multipliers(stats, mu, heads)
+        heads = [(p, step_table(w) * sigma * m * self.clip_scale, w) for (p, sigma, w), m in zip(heads, mults)]
         self._k_codecs = [
             LatentKeyCodec.from_heads(mu[l * hkv : (l + 1) * hkv], heads[l * hkv : (l + 1) * hkv], self.quantize)
             for l in range(shape.n_layers)
@@ -258,8 +291,32 @@ class Cobra(KVMethod):
                 # one stream per encode call, padded to a byte: a one-token call of layer l pads
                 # (-sum_h B_h) mod 8 bits, so decoding token by token can exceed the nominal bpd_K by
                 "decode_padding_bpd_max": float((-layer_bits % 8).sum()) / (budgets.numel() * d),
+                **step_knobs,
             }
         )
+
+    def step_multipliers(self, stats, mu, heads):
+        """(per head a multiplier per coordinate [r_h] (ones for the Gaussian step), knobs): §1.1b
+        with one group per (head, width), the sample latents P (k - mu) / sigma of the coordinates
+        that get that width."""
+        per_coord = [torch.ones(w.numel(), dtype=torch.float64) for _, _, w in heads]
+        samples = None if self.step == "gauss" else centered_samples(stats, "k", mu)
+        groups, bits, where = [], [], []
+        for n, ((p, sigma, w), x) in enumerate(zip(heads, samples or [])):
+            if not w.numel():
+                continue
+            z = ((x @ p.T) / sigma).float()  # the search runs in float32
+            for b in torch.unique(w).tolist():
+                sel = w == b
+                groups.append(z[:, sel])
+                bits.append(b)
+                where.append((n, sel))
+        n_tok = samples[0].shape[0] if samples else 0
+        mult, knobs = step_multipliers(self.step, None if samples is None else groups, bits, n_tok)
+        if mult is not None:
+            for (n, sel), m in zip(where, mult):
+                per_coord[n][sel] = m
+        return per_coord, knobs
 
     def head_operator(self, u_r: torch.Tensor, lam_r: torch.Tensor, seed: int):
         """(P [r, d], sigma per coordinate [r], branch) for one head (§5.7): P = R U_r^T with R the
@@ -282,7 +339,7 @@ class Cobra(KVMethod):
     def new_layer_state(self, layer):
         if self._k_codecs is None or self._v_codecs is None:
             raise RuntimeError(f"{self.name}: calibrate() before new_layer_state()")
-        return CodecLayerState(self._k_codecs[layer], self._v_codecs[layer])
+        return CodecLayerState(self._k_codecs[layer], self._v_codecs[layer], exact_first=int(self.first_fp16))
 
     def knobs(self):
         return dict(self._knobs)

@@ -6,7 +6,8 @@ then decoded and rotated back to their positions for attention.
 
 Storage: the packed codes (counted by ``stored_bits``) plus a decoded working copy that the
 attention reads; a fused kernel would dequantize on the fly instead, so the working copy is not
-part of the cache's bits.
+part of the cache's bits. The working copy grows in a preallocated buffer (:class:`Growing`), so a
+decode step writes its token instead of copying the cache (issue 15, finding 4).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from .attention import causal_attention
 from .base import LayerState, Rope, apply_rope
+from .kivi import Growing
 
 
 class Codec:
@@ -70,46 +72,85 @@ class ExactCodec(Codec):
 
 @dataclass
 class CodecLayerState(LayerState):
+    """Token-wise codecs: every token encoded on arrival. ``exact_first`` tokens at the start of
+    the sequence are stored exactly at 16 bits instead (METHODS.md §5.9's first-token protection of
+    outlier sink tokens; cost 16/T per side, counted)."""
+
     key_codec: Codec
     value_codec: Codec
+    exact_first: int = 0
     _k_packed: list = field(default_factory=list)
     _v_packed: list = field(default_factory=list)
-    _k: torch.Tensor | None = None
-    _v: torch.Tensor | None = None
+    _k: Growing = field(default_factory=Growing)  # decoded working copy, post-RoPE
+    _v: Growing = field(default_factory=Growing)
     _seen: int = 0
+    _bits: tuple = (0, 0)
 
-    def _encode_keys(self, k, k_pre, rope):
-        if self.key_codec.pre_rope:
+    def _encode_keys(self, codec, k, k_pre, rope):
+        if codec.pre_rope:
             if k_pre is None or rope is None:
                 raise ValueError("a pre-RoPE key codec needs k_pre and rope")
-            packed = self.key_codec.encode(k_pre)
-            return packed, apply_rope(self.key_codec.decode(packed).to(k.dtype), rope)
-        packed = self.key_codec.encode(k)
-        return packed, self.key_codec.decode(packed).to(k.dtype)
+            packed = codec.encode(k_pre)
+            return packed, apply_rope(codec.decode(packed).to(k.dtype), rope)
+        packed = codec.encode(k)
+        return packed, codec.decode(packed).to(k.dtype)
+
+    def _store(self, key_codec, value_codec, k, v, k_pre, rope):
+        """Encode one run of tokens with one pair of codecs; returns decoded (k, v) and their bits."""
+        k_packed, k_hat = self._encode_keys(key_codec, k, k_pre, rope)
+        v_packed = value_codec.encode(v)
+        self._k_packed.append((key_codec, k_packed))
+        self._v_packed.append((value_codec, v_packed))
+        return k_hat, value_codec.decode(v_packed).to(v.dtype), key_codec.bits(k_packed), value_codec.bits(v_packed)
 
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
-        k_packed, k_hat = self._encode_keys(k, k_pre, rope)
-        v_packed = self.value_codec.encode(v)
-        v_hat = self.value_codec.decode(v_packed).to(v.dtype)
-        self._k_packed.append(k_packed)
-        self._v_packed.append(v_packed)
-        if prefill and self._k is not None:
+        if prefill and self._seen:
             raise ValueError("prefill must be the first call on a layer state")
+        n0, t = self._seen, k.shape[2]
+        e = max(0, min(self.exact_first - n0, t))  # tokens of this chunk stored exactly
+        runs = []
+        if e:
+            runs.append((_EXACT, _EXACT, slice(0, e)))
+        if e < t:
+            runs.append((self.key_codec, self.value_codec, slice(e, t)))
+        bits_k, bits_v = [], []  # (tokens, bits) per run
+        for kc, vc, sl in runs:
+            kh, vh, bk, bv = self._store(
+                kc, vc, k[:, :, sl], v[:, :, sl], None if k_pre is None else k_pre[:, :, sl],
+                None if rope is None else Rope(rope.cos[:, sl], rope.sin[:, sl]),
+            )
+            self._k.append(kh)
+            self._v.append(vh)
+            n = sl.stop - sl.start
+            bits_k.append((n, bk))
+            bits_v.append((n, bv))
+        prior_k, prior_v = self._bits
+        self._bits = (prior_k + sum(b for _, b in bits_k), prior_v + sum(b for _, b in bits_v))
+        self._reads = None if prefill else (cumulative_bits(prior_k, bits_k), cumulative_bits(prior_v, bits_v))
+        self._seen += t
         if prefill:
-            out = causal_attention(q, k, v, scaling)
-        self._k = k_hat if self._k is None else torch.cat([self._k, k_hat], dim=2)
-        self._v = v_hat if self._v is None else torch.cat([self._v, v_hat], dim=2)
-        self._seen += k.shape[2]
-        if not prefill:
-            out = causal_attention(q, self._k, self._v, scaling)
-        return out
+            return causal_attention(q, k, v, scaling)
+        return causal_attention(q, self._k.data, self._v.data, scaling)
 
     def stored_bits(self):
-        return (
-            sum(self.key_codec.bits(p) for p in self._k_packed),
-            sum(self.value_codec.bits(p) for p in self._v_packed),
-        )
+        return self._bits
 
     @property
     def n_seen(self):
         return self._seen
+
+
+_EXACT = ExactCodec()
+
+
+def cumulative_bits(prior: float, runs: list[tuple[int, float]]) -> torch.Tensor:
+    """Bits held after each new token, float64 CPU [sum of tokens]: ``prior`` plus the runs'
+    bits (tokens, bits), spread evenly over each run's tokens. One run is a straight line (one
+    op); one token (a decode step) no tensor arithmetic at all."""
+    if len(runs) == 1:
+        n, b = runs[0]
+        if n == 1:
+            return torch.tensor([prior + b], dtype=torch.float64)
+        return torch.linspace(prior + b / n, prior + b, n, dtype=torch.float64)
+    per = torch.cat([torch.full((n,), b / n, dtype=torch.float64) for n, b in runs])
+    return per.cumsum_(0).add_(prior)

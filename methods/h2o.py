@@ -39,7 +39,13 @@ class H2O(KVMethod):
       C_t = max(min_budget, ⌈ρ(t+1)⌉), recent share C_r,t = round(C_t·recent_ratio/ρ).
 
     Budget (§6.4): ``bpd`` and ``v_bpd`` are one budget spent on K and V (different values raise
-    :class:`Unsupported`); ρ = heavy_ratio + recent_ratio = target / (16 + 16/d), split half/half
+    :class:`Unsupported`). ``budget="measured"`` (default): in Q-all (PPL track A, zero-shot) ρ is
+    fitted so that the measured figure of METHODS.md §0 v2 — the mean over query positions of what
+    each query read, the min_budget floor and the query itself included (:func:`qall_mean_bpd`) —
+    is the target for the job's regime length; in prefill-exact regimes the end of prefill is the
+    figure, so ρ = target / (16 + 16/d). ``budget="nominal"``: always ρ = target / (16 + 16/d)
+    (the formula of §6.4; in Q-all the cache then holds more than the label: 1.23 at 1.0, T=2048),
+    split half/half
     (16 + 16/d = 16.125 at d = 128: an fp32 score per kept token per KV head shared by K and V);
     ``count_indices`` adds a 32-bit position per kept token (another 16/d per element and side).
     Without a target: the official 0.1 / 0.1.
@@ -57,6 +63,14 @@ class H2O(KVMethod):
       fp32.
     * Prefill outputs come from ``attention.causal_attention`` (the FP16 baseline's kernel); the
       scores and every decode step are eager float32 softmax (the probabilities are needed).
+    * The sequential recursion (decode and Q-all, issue 15 findings 1 and 7) runs over row blocks
+      of logits, one block alive at a time (:data:`ROW_BLOCK` rows, fewer past
+      :data:`BLOCK_ELEMS`); one token is a few ops over all heads at once: mask add, softmax,
+      write-back of the probabilities, one GEMM adding the group mean into the negated score,
+      and per eviction an argmax and one scatter of -inf into mask and score together (four to
+      six ops, 5.6 per token on average at rho = 0.25). The outputs are one GEMM per block.
+      (Scattering -inf into the block's later rows instead would drop the mask add and the
+      write-back, 3.6 ops per token, but was 1.5x slower on a CPU: strided writes per eviction.)
     """
 
     name = "h2o"
@@ -66,8 +80,11 @@ class H2O(KVMethod):
     recent_ratio: float | None = None
     min_budget: int = 8
     count_indices: bool = False
+    budget: str = "measured"
 
     def __post_init__(self):
+        if self.budget not in ("measured", "nominal"):
+            raise ValueError(f"h2o: budget must be 'measured' or 'nominal', got {self.budget!r}")
         for label, r in (("heavy_ratio", self.heavy_ratio), ("recent_ratio", self.recent_ratio)):
             if r is not None and not 0.0 <= r <= 1.0:
                 raise ValueError(f"h2o: {label} must be in [0, 1], got {r}")
@@ -109,6 +126,9 @@ class H2O(KVMethod):
                 f"so targets lie in (0, {per:g}]"
             )
         rho = target / per
+        self._predicted = None
+        if self.budget == "measured" and self.regime.kind == "qall":
+            rho = self._fit_qall(target, per)
         h, r = self.heavy_ratio, self.recent_ratio
         if h is None and r is None:
             h = r = rho / 2
@@ -125,6 +145,24 @@ class H2O(KVMethod):
             raise Unsupported(f"h2o: bpd={target} gives ρ = {rho:g}, below the fixed ratio")
         self._ratios = (h, r)
 
+    def _fit_qall(self, target: float, per: float) -> float:
+        """ρ whose Q-all mean over positions (:func:`qall_mean_bpd`) is the target: the largest ρ
+        at or below it, by bisection (the mean is non-decreasing in ρ)."""
+        t = self.regime.tokens
+        lo_bpd = qall_mean_bpd(0.0, self.min_budget, t, per)
+        if target < lo_bpd - 1e-12:
+            raise Unsupported(
+                f"h2o: bpd={target} is not reachable in Q-all over {t} positions: with at least "
+                f"min_budget={self.min_budget} kept tokens the mean over positions is >= {lo_bpd:.3g} "
+                f"(range [{lo_bpd:.3g}, {per:g}]; budget='nominal' maps ρ = bpd/{per:g} instead)"
+            )
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if qall_mean_bpd(mid, self.min_budget, t, per) <= target else (lo, mid)
+        self._predicted = qall_mean_bpd(lo, self.min_budget, t, per)
+        return lo
+
     def new_layer_state(self, layer):
         h, r = self._ratios
         return H2OLayerState(h, r, int(self.min_budget), bool(self.count_indices))
@@ -137,6 +175,8 @@ class H2O(KVMethod):
             "rho": h + r,
             "min_budget": int(self.min_budget),
             "count_indices": bool(self.count_indices),
+            "budget": self.budget,
+            "predicted_qall_bpd": getattr(self, "_predicted", None),
         }
 
     def nominal_bpd(self, n_tokens):
@@ -147,10 +187,20 @@ class H2O(KVMethod):
         return bpd, bpd
 
 
+def qall_mean_bpd(rho: float, min_budget: int, tokens: int, per: float) -> float:
+    """METHODS.md §0 v2 for H2O's Q-all cache (§6.3): query p reads min(p, C_{p-1}) + 1 kept
+    tokens, C_t = max(min_budget, ceil(ρ (t + 1))), at ``per`` bits per kept element and side;
+    the mean over p of that / (p + 1)."""
+    p = torch.arange(tokens, dtype=torch.float64)
+    cap_before = torch.clamp(torch.ceil(rho * p - 1e-9), min=min_budget)
+    kept = torch.minimum(p, cap_before) + 1
+    return float((kept / (p + 1)).mean()) * per
+
+
 @contextlib.contextmanager
 def _one_thread(device: torch.device):
-    """One intra-op thread on a CPU for the duration: the per-token loop runs a dozen tiny ops per
-    token, and a second OpenMP thread only adds fork/join and spin-wait time to each of them (2-5x
+    """One intra-op thread on a CPU for the duration: the per-token loop runs four to six tiny ops
+    per token, and a second OpenMP thread only adds fork/join and spin-wait time to each of them (2-5x
     slower on a 2-core machine, far worse when it is shared). Restored afterwards."""
     n = torch.get_num_threads()
     if device.type != "cpu" or n == 1:
@@ -163,40 +213,40 @@ def _one_thread(device: torch.device):
         torch.set_num_threads(n)
 
 
-#: query rows per block of the decode-mode logits and outputs: only the columns a block's queries
-#: can see are computed (about half of the [n, m + n] matrix for a long chunk)
+#: query rows per block of the decode-mode logits (at most; fewer when a block would exceed
+#: :data:`BLOCK_ELEMS`): only one block of logits is alive at a time (issue 15, finding 7)
 ROW_BLOCK = 256
+#: logits elements per block (2^26 float32 = 256 MiB): 256 rows up to 8k tokens at 32 query
+#: heads, 64 at 32k
+BLOCK_ELEMS = 1 << 26
 
 
-def _causal_logits(q: torch.Tensor, kw: torch.Tensor, m: int, scaling: float) -> list[torch.Tensor]:
-    """Logits of the n new queries over the m kept + n new keys, in row blocks: block [r0, r1) is
-    [B, Hkv, g, r1 - r0, m + r1] (compute dtype), one GEMM per KV head with the scaling folded in.
-    The strict upper triangle of each block's diagonal part (keys after the query) is zeroed: those
-    logits are never read and the probabilities there are 0."""
-    b, hq, n, d = q.shape
-    h = kw.shape[1]
-    g = hq // h
-    cdt = compute_dtype(q)
-    qg = q.to(cdt).reshape(b * h, g, n, d)
-    kt = kw.to(cdt).reshape(b * h, m + n, d).transpose(1, 2)
-    none = torch.zeros((), dtype=cdt, device=q.device)
-    blocks = []
-    for r0 in range(0, n, ROW_BLOCK):
-        r1 = min(n, r0 + ROW_BLOCK)
-        qb = qg[:, :, r0:r1].reshape(b * h, g * (r1 - r0), d)
-        blk = torch.baddbmm(none, qb, kt[:, :, : m + r1], beta=0.0, alpha=scaling)
-        blk = blk.view(b, h, g, r1 - r0, m + r1)
-        upper = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=q.device).triu(1)
-        blk[..., m + r0 :].masked_fill_(upper, 0.0)
-        blocks.append(blk)
-    return blocks
+def _block_rows(bh: int, g: int, cols: int) -> int:
+    """Query rows per block: ROW_BLOCK, fewer when [B*Hkv, g, rows, cols] exceeds BLOCK_ELEMS."""
+    return max(1, min(ROW_BLOCK, BLOCK_ELEMS // max(1, bh * g * cols)))
 
 
-def _block_output(blk: torch.Tensor, vw: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Probabilities [B, Hkv, g, r, c] x values [B, Hkv, >= c, d] -> outputs [B, Hkv*g, r, d]."""
-    b, h, g, r, c = blk.shape
-    out = torch.bmm(blk.reshape(b * h, g * r, c), vw[:, :, :c].to(blk.dtype).reshape(b * h, c, -1))
-    return out.view(b, h, g, r, -1).reshape(b, h * g, r, -1).to(out_dtype)
+def _logit_block(qg, kt, m, r0, r1, scaling):
+    """Logits of queries r0..r1-1 over the m kept + r1 new keys: [B*Hkv, g, r, m + r1] (compute
+    dtype, one GEMM per KV head over its g query heads, the scaling folded in), -inf at the keys
+    after each query (their probabilities are then exactly 0)."""
+    bh, g, _, d = qg.shape
+    r, c = r1 - r0, m + r1
+    none = torch.zeros((), dtype=qg.dtype, device=qg.device)
+    blk = torch.baddbmm(none, qg[:, :, r0:r1].reshape(bh, g * r, d), kt[:, :, :c], beta=0.0, alpha=scaling)
+    blk = blk.view(bh, g, r, c)
+    if r > 1:
+        later = torch.ones(r, r, dtype=torch.bool, device=qg.device).triu_(1)
+        blk[:, :, :, m + r0 :].masked_fill_(later, float("-inf"))
+    return blk
+
+
+def _block_output(blk, vw, out_dtype):
+    """Probabilities [B*Hkv, g, r, c] x values [B, Hkv, >= c, d] -> outputs [B, Hkv*g, r, d]."""
+    bh, g, r, c = blk.shape
+    b, h, _, d = vw.shape
+    out = torch.bmm(blk.view(bh, g * r, c), vw[:, :, :c].to(blk.dtype).reshape(bh, c, d))
+    return out.view(b, h * g, r, d).to(out_dtype)
 
 
 @dataclass
@@ -247,6 +297,7 @@ class H2OLayerState(LayerState):
     def _prefill(self, q, k, v, scaling):
         if self._seen:
             raise ValueError("h2o: prefill must be the first call on a layer state")
+        self._reads = None
         b, h, p, _ = k.shape
         out = causal_attention(q, k, v, scaling)
         # column sums of the causal prefill attention, group mean over g query heads: [B, Hkv, P]
@@ -263,64 +314,88 @@ class H2OLayerState(LayerState):
         return out
 
     def _decode(self, q, k, v, scaling):
-        b, h, n, _ = k.shape
+        b, h, n, d = k.shape
         dev = k.device
         cdt = compute_dtype(q)
-        m = 0 if self._k is None else self._k.shape[2]
+        g = q.shape[1] // h
+        bh = b * h
+        m = self.n_kept
         new_pos = torch.arange(self._seen, self._seen + n, device=dev).expand(b, h, n)
+        # state [2, B*Hkv, m + n]: row 0 the additive mask (0 kept, -inf evicted), row 1 the negated
+        # score (-inf evicted); one scatter evicts a token from both
+        state = torch.zeros(2, bh, m + n, dtype=cdt, device=dev)
         if m:
             kw = torch.cat([self._k, k.to(self._k.dtype)], dim=2)
             vw = torch.cat([self._v, v.to(self._v.dtype)], dim=2)
             pos = torch.cat([self._pos, new_pos], dim=-1)
-            score = torch.cat([self._score, self._score.new_zeros(b, h, n)], dim=-1)
+            torch.neg(self._score.reshape(bh, m), out=state[1, :, :m])
         else:
             kw, vw, pos = k, v, new_pos
-            score = torch.zeros(b, h, n, dtype=cdt, device=dev)
-        # pen: 0 for a kept token, +inf once evicted. Row i reads only its m + i + 1 visible
-        # columns (later tokens are simply not in the slice), so a step costs a handful of ops.
-        pen = torch.zeros(b, h, m + n, dtype=score.dtype, device=dev)
-        g = q.shape[1] // h
-        # logits in row blocks; row i is overwritten by its probabilities at step i
-        blocks = _causal_logits(q, kw, m, scaling)
-        rows = [r for blk in blocks for r in blk.unbind(dim=3)]  # views, made once
-        pens = pen[:, :, None, :]
-        kept = m
-        with _one_thread(q.device):
-            kept = self._evict_loop(rows, pens, pen, score, pos, m, n, g, kept)
-        keep = pen == 0
-        out = torch.cat([_block_output(blk, vw, q.dtype) for blk in blocks], dim=2)
+        qg = q.to(cdt).reshape(bh, g, n, d)
+        kt = kw.to(cdt).reshape(bh, m + n, d).transpose(1, 2)
+        ones = torch.ones(1, g, dtype=cdt, device=dev)
+        kept, counts, outs = m, [], []
+        rows = _block_rows(bh, g, m + n)
+        with _one_thread(dev):
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                blk = _logit_block(qg, kt, m, r0, r1, scaling)
+                live = state[:, :, : m + r1].clone()  # contiguous for the in-place GEMM
+                kept = self._evict_loop(blk, live, ones, pos.reshape(bh, m + n), m, r0, kept, counts)
+                state[:, :, : m + r1] = live
+                outs.append(_block_output(blk, vw, q.dtype))
+                del blk  # one block of logits alive at a time
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        neg = state[1]
+        keep = torch.isfinite(neg).view(b, h, m + n)
         idx = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :kept]
-        self._store(kw, vw, score, pos, idx.sort(dim=-1).values)
+        self._store(kw, vw, neg.neg_().view(b, h, m + n), pos, idx.sort(dim=-1).values)
         self._seen += n
+        per_token = self.token_bits(b, h, d)
+        read = torch.tensor(counts, dtype=torch.float64) * per_token  # read before evicting
+        self._reads = (read, read.clone())
         return out
 
-    def _evict_loop(self, rows, pens, pen, score, pos, m, n, g, kept):
-        """The per-token part of :meth:`_decode`: row i's softmax over the kept tokens, the score
-        update, then evictions down to the budget. Returns the number of tokens kept."""
-        inf = float("inf")
-        for i in range(n):
+    def _evict_loop(self, blk, live, ones, pos, m, r0, kept, counts):
+        """The per-token part of :meth:`_decode` over one block ``blk`` [B*Hkv, g, r, c] of
+        :func:`_logit_block` and the block's ``live`` state [2, B*Hkv, c] (mask, negated score):
+        row i's softmax over the kept keys for all heads at once (mask added, probabilities
+        written back into the block for its output), the group-mean score update (one GEMM into
+        the negated score), then evictions down to the budget (argmax of the negated score over
+        the eligible tokens, one scatter of -inf into mask and score). Returns the number of
+        tokens kept; ``counts`` receives the tokens each query read."""
+        bh, g, r, c = blk.shape
+        pen, neg = live[0], live[1]
+        flat = neg.view(1, bh * c)
+        x = blk.new_empty(g, bh, c)  # this token's masked logits, group heads outermost
+        inv = -1.0 / g
+        for li in range(r):
+            i = r0 + li
             t = self._seen + i
-            w = m + i + 1
             kept += 1
-            row = rows[i][..., :w]
-            p_i = torch.softmax(row - pens[..., :w], dim=-1)
-            row.copy_(p_i)
-            score[..., :w].add_(p_i.sum(dim=2), alpha=1.0 / g)  # the group mean
+            counts.append(kept)
+            row = blk[:, :, li]  # [B*Hkv, g, c]: -inf after the query
+            torch.add(row.transpose(0, 1), pen, out=x)
+            p = torch.softmax(x, dim=-1)  # [g, B*Hkv, c]: 0 after the query and at evicted keys
+            row.copy_(p.transpose(0, 1))
+            flat.addmm_(ones, p.view(g, bh * c), alpha=inv)  # neg -= mean over the g query heads
             cap, c_r = self.budget(t)
-            if kept > cap:
-                if m == 0:  # positions are seen + index: the eligible (old) tokens are a prefix
-                    lim = max(1, t - c_r - self._seen + 1)
-                    cand_s, cand_p = score[..., :lim], pen[..., :lim]
-                else:
-                    old = pos <= t - c_r
-                while kept > cap:
-                    if m == 0:
-                        j = (cand_s + cand_p).argmin(dim=-1, keepdim=True)
-                    else:
-                        j = torch.where(old, score + pen, inf).argmin(dim=-1, keepdim=True)
-                    pen.scatter_(-1, j, inf)
-                    kept -= 1
+            while kept > cap:
+                j = self._victim(neg, pos, m, t, c_r)
+                live.scatter_(-1, j.expand(2, *j.shape), float("-inf"))
+                kept -= 1
         return kept
+
+    def _victim(self, neg, pos, m, t, c_r):
+        """[B*Hkv, 1]: the lowest-score token among those at positions <= t - C_r (the largest
+        negated score; ties: the oldest, argmax takes the first)."""
+        new_old = t - c_r - self._seen + 1  # new tokens (index m..) at positions <= t - C_r
+        if m == 0:
+            return neg[:, : max(1, new_old)].argmax(dim=-1, keepdim=True)
+        if new_old >= 0:  # every kept token is older than the recent window: a prefix
+            return neg[:, : m + new_old].argmax(dim=-1, keepdim=True)
+        old = pos[:, : neg.shape[1]] <= t - c_r
+        return torch.where(old, neg, float("-inf")).argmax(dim=-1, keepdim=True)
 
     def _store(self, k, v, score, pos, idx):
         d_idx = idx[..., None].expand(*idx.shape, k.shape[-1])
@@ -330,6 +405,10 @@ class H2OLayerState(LayerState):
         self._pos = pos.gather(-1, idx)
 
     # -- accounting -----------------------------------------------------------------------------
+    def token_bits(self, batch: int, heads: int, head_dim: int) -> int:
+        """Bits per kept token and side: 16 d per head + half its fp32 score (+ half a position)."""
+        return batch * heads * (16 * head_dim + 16 * (2 if self.count_indices else 1))
+
     def stored_bits(self):
         """16 bits per kept element + an fp32 score per kept token and KV head, half to K and
         half to V (+ a 32-bit position, split the same way, with ``count_indices``)."""
@@ -351,3 +430,17 @@ class H2OLayerState(LayerState):
     def kept_positions(self) -> torch.Tensor | None:
         """Positions [B, Hkv, C] of the kept tokens (ascending), for tests and diagnostics."""
         return self._pos
+
+    # --- issue 12 (compose) hook: a codec hands the eviction the decoded form of its tokens ---
+    def kept_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The stored K, V of the kept tokens [B, Hkv, C, d], in the order of ``kept_positions``:
+        the tensors themselves (a codec may overwrite entries in place with their decoded form)."""
+        return self._k, self._v
+
+    def replace_kept_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the stored K, V of the kept tokens by same-shaped tensors (the decoded form a
+        codec stores them in, METHODS.md §12); scores, positions and the kept set are unchanged."""
+        if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
+            raise ValueError("h2o: replace_kept_kv needs tensors shaped like the kept cache")
+        self._k, self._v = k, v
+    # --- end of the issue 12 hook ---

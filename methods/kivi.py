@@ -34,7 +34,11 @@ Decisions where METHODS.md is silent:
 * Full-precision tokens are kept in the model's dtype (fp16/bf16 on a GPU; a float32 CPU model keeps
   float32, like :class:`methods.codec_state.ExactCodec`) and counted 16 bits per element.
 * The decoded quantized keys/values are kept as a working copy for attention (a fused kernel would
-  dequantize on the fly); only the packed codes, fp16 scales/minima and the residual count.
+  dequantize on the fly); only the packed codes, fp16 scales/minima and the residual count. The
+  copy and the full-precision tail share one growing buffer per side, in the model's dtype: a
+  single decode step reads exactly the prefixes quantized before it (§2.3), so it is one fused
+  SDPA call over the buffers as they are, with no float32 copy of the cache and no mask
+  (issue 15, finding 4); the groups it completes are quantized after it.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import causal_attention, causal_mask, work_dtype
-from .base import KVMethod, LayerState, Unsupported
+from .base import KVMethod, LayerState, Unsupported, held_bits, query_positions
 from .groupquant import GroupPacked, dequantize_groups, quantize_groups
 
 BITS_GRID = (1, 2, 3, 4, 8)
@@ -164,7 +168,7 @@ def mixed_attention(q, kp, k_ex, k_hat, key_mask, vp, v_ex, v_hat, val_mask, sca
 
 
 #: chunks of at least this many queries take :func:`blocked_attention` (fused SDPA); shorter ones
-#: (decode steps) the eager :func:`mixed_attention`, which reads the cache without copying it
+#: the eager :func:`mixed_attention` (single decode steps: ``KiviLayerState._step``, fused SDPA)
 SDPA_MIN_QUERIES = 16
 
 
@@ -252,28 +256,40 @@ def _folded_attention(q, k, v, mask, scaling):
     return out.view(b, h, g, tq, -1).reshape(b, hq, tq, -1)
 
 
-def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b], dim=2)
-
-
 class Growing:
     """Append-only [B, H, n, d] working tensor with amortized O(1) appends along the token axis
-    (12.5 % spare capacity), so a decode step does not copy the whole cache."""
+    (12.5 % spare capacity, at least 64 tokens), so a decode step does not copy the whole cache.
+
+    The first append adopts its tensor without copying (a one-pass forward stores its keys as
+    they are); the buffer is copied into owned storage before anything writes into it."""
 
     def __init__(self):
         self._buf: torch.Tensor | None = None
+        self._owned = False
         self.n = 0
+
+    def _reserve(self, need: int, like: torch.Tensor) -> None:
+        if self._buf is not None and self._owned and need <= self._buf.shape[2]:
+            return
+        spare = 0 if self._buf is None else max(64, need // 8)
+        buf = like.new_empty(like.shape[0], like.shape[1], need + spare, like.shape[3])
+        if self._buf is not None:
+            buf[:, :, : self.n] = self._buf[:, :, : self.n]
+        self._buf, self._owned = buf, True
 
     def append(self, x: torch.Tensor) -> None:
         t = x.shape[2]
-        if self._buf is None or self.n + t > self._buf.shape[2]:
-            cap = self.n + t if self._buf is None else self.n + t + max(64, (self.n + t) // 8)
-            buf = x.new_empty(x.shape[0], x.shape[1], cap, x.shape[3])
-            if self._buf is not None:
-                buf[:, :, : self.n] = self._buf[:, :, : self.n]
-            self._buf = buf
+        if self._buf is None:
+            self._buf, self._owned, self.n = x, False, t
+            return
+        self._reserve(self.n + t, x)
         self._buf[:, :, self.n : self.n + t] = x
         self.n += t
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        """Overwrite tokens ``start..start + len(x)`` (already appended) in place."""
+        self._reserve(self.n, x)
+        self._buf[:, :, start : start + x.shape[2]] = x
 
     @property
     def data(self) -> torch.Tensor | None:
@@ -282,36 +298,90 @@ class Growing:
 
 @dataclass
 class _SideStore:
-    """One side (K or V) of the cache: packed quantized prefix + full-precision tail."""
+    """One side (K or V) of the cache: packed quantized prefix + full-precision tail.
+
+    ``buf`` holds what a single query at the next position reads, contiguously: the decoded
+    quantized prefix (positions < ``n_quant``, a working copy of the packed codes) followed by the
+    full-precision tail. A decode step appends its token and, when a group completes, overwrites
+    that group with its decoded form: no copy of the cache (issue 15, finding 4)."""
 
     packed: list = field(default_factory=list)
-    hat: Growing = field(default_factory=Growing)  # decoded quantized prefix (working copy)
-    res: torch.Tensor | None = None  # full-precision tail
+    buf: Growing = field(default_factory=Growing)
+    n_quant: int = 0
+    _packed_bits: int = 0
 
     @property
-    def n_quant(self) -> int:
-        return self.hat.n
+    def n(self) -> int:
+        return self.buf.n
+
+    @property
+    def hat(self) -> torch.Tensor | None:
+        """The decoded quantized prefix [B, H, n_quant, d] (a view), None when empty."""
+        return None if not self.n_quant else self.buf.data[:, :, : self.n_quant]
+
+    @property
+    def res(self) -> torch.Tensor | None:
+        """The full-precision tail [B, H, n - n_quant, d] (a view)."""
+        return None if self.buf.data is None else self.buf.data[:, :, self.n_quant :]
 
     def bits(self) -> int:
         tail = 0 if self.res is None else self.res.numel() * 16
-        return sum(p.bits() for p in self.packed) + tail
+        return self._packed_bits + tail
+
+    def packed_bits(self) -> int:
+        return self._packed_bits
+
+    def reads(self, n_read, n_quant, row: int):
+        """Bits held by this side when a query reads ``n_read`` tokens of which ``n_quant`` are
+        quantized (:func:`methods.base.held_bits`, tensors or Python numbers; the per-token cost
+        of the quantized prefix is measured from the packed groups)."""
+        per_token = self._packed_bits / self.n_quant if self.n_quant else 0.0
+        return held_bits(n_read, n_quant, per_token, 16.0 * row)
+
+    def exact_tail(self, x_new: torch.Tensor) -> torch.Tensor:
+        """Positions n_quant.. at full precision once ``x_new`` is appended (before :meth:`flush`)."""
+        if self.n == self.n_quant:
+            return x_new
+        return torch.cat([self.res, x_new.to(self.res.dtype)], dim=2)
+
+    def append(self, x_new: torch.Tensor) -> None:
+        self.buf.append(x_new)
+
+    def flush(self, n_quant_new: int, quantize) -> None:
+        """Quantize positions n_quant..n_quant_new-1 (complete groups), replacing them in ``buf``
+        by their decoded form."""
+        m = n_quant_new - self.n_quant
+        if m <= 0:
+            return
+        x = self.buf.data[:, :, self.n_quant : n_quant_new]
+        gp: GroupPacked = quantize(x)
+        self.packed.append(gp)
+        self._packed_bits += gp.bits()
+        self.buf.write(self.n_quant, dequantize_groups(gp).to(x.dtype))
+        self.n_quant = n_quant_new
+
+    def append_quantized(self, x_new: torch.Tensor, quantize) -> None:
+        """Quantize ``x_new`` on arrival (no full-precision tail) and append its decoded form."""
+        gp: GroupPacked = quantize(x_new)
+        self.packed.append(gp)
+        self._packed_bits += gp.bits()
+        self.buf.append(dequantize_groups(gp).to(x_new.dtype))
+        self.n_quant += x_new.shape[2]
 
 
 def _advance(store: _SideStore, x_new, n_quant_new, quantize):
     """Append ``x_new`` and quantize up to position ``n_quant_new``. Returns the positions
     [n_quant_old, N) in both versions, (x_hat, x_exact), for the attention mix."""
-    tail = _cat(store.res, x_new)
-    m = n_quant_new - store.n_quant
-    hat_tail = tail
-    if m > 0:
-        gp: GroupPacked = quantize(tail[:, :, :m])
-        store.packed.append(gp)
-        newhat = dequantize_groups(gp).to(tail.dtype)
-        hat_tail = torch.cat([newhat, tail[:, :, m:]], dim=2)
-        store.hat.append(newhat)
-    # a slice would keep the whole chunk's full-precision storage alive: copy the few tokens kept
-    store.res = tail[:, :, m:].clone() if m > 0 else tail
-    return hat_tail, tail
+    start = store.n_quant
+    exact = store.exact_tail(x_new)
+    store.append(x_new)
+    store.flush(n_quant_new, quantize)
+    return store.buf.data[:, :, start:], exact
+
+
+def _one_read(x: float) -> torch.Tensor:
+    """The bits one query read as a float64 CPU tensor [1] (a decode step: no tensor arithmetic)."""
+    return torch.tensor([x], dtype=torch.float64)
 
 
 @dataclass
@@ -326,24 +396,29 @@ class KiviLayerState(LayerState):
     v_exact: Growing = field(default_factory=Growing)  # values when they are not quantized
     _seen: int = 0
 
+    def _quantizers(self, v):
+        qk = lambda x: quantize_groups(x, self.bits, self.group, axis=2)  # noqa: E731
+        vg = self.v_group or min(self.group, v.shape[-1])
+        qv = lambda x: quantize_groups(x, self.v_bits, vg, axis=3)  # noqa: E731
+        return qk, qv
+
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
         if prefill and self._seen:
             raise ValueError("prefill must be the first call on a layer state")
         n0, t = self._seen, k.shape[2]
         n = n0 + t
         r = self.residual
-        kp, vp = self.k.hat.data, self.v.hat.data  # read quantized by every new query
-        k_hat_t, k_ex_t = _advance(
-            self.k, k, r * (n // r), lambda x: quantize_groups(x, self.bits, self.group, axis=2)
-        )
+        qk, qv = self._quantizers(v)
+        if t == 1 and not prefill:
+            return self._step(q, k, v, scaling, qk, qv)
+        kp, vp = self.k.hat, self.v.hat  # read quantized by every new query
+        k_hat_t, k_ex_t = _advance(self.k, k, r * (n // r), qk)
         if self.v_bits is None:
             self.v_exact.append(v)
         else:
-            vg = self.v_group or min(self.group, v.shape[-1])
-            v_hat_t, v_ex_t = _advance(
-                self.v, v, max(0, n - r), lambda x: quantize_groups(x, self.v_bits, vg, axis=3)
-            )
+            v_hat_t, v_ex_t = _advance(self.v, v, max(0, n - r), qv)
         self._seen = n
+        self._reads = None if prefill else self._read_bits(n0, t, k)
         if prefill:
             return causal_attention(q, k, v, scaling)
         if t >= SDPA_MIN_QUERIES:
@@ -364,6 +439,40 @@ class KiviLayerState(LayerState):
         return mixed_attention(
             q, kp, k_ex_t, k_hat_t, key_mask, vp, v_ex_t, v_hat_t, val_mask, scaling
         )
+
+    def _step(self, q, k, v, scaling, qk, qv):
+        """One decode token. The query at position n0 reads key s quantized iff s < R floor(n0/R)
+        and value s iff s < n0 - R (§2.3): exactly the prefixes quantized before this step. So it
+        reads the buffers as they are once its token is appended, with one fused SDPA call in the
+        model's dtype (no mask, no float32 copy of the cache); the groups this token completes are
+        quantized afterwards."""
+        n0 = self._seen
+        n = n0 + 1
+        r = self.residual
+        self.k.append(k)
+        values = self.v_exact if self.v_bits is None else self.v.buf
+        values.append(v)
+        out = causal_attention(q, self.k.buf.data, values.data, scaling)
+        self.k.flush(r * (n // r), qk)
+        if self.v_bits is not None:
+            self.v.flush(max(0, n - r), qv)
+        self._seen = n
+        self._reads = self._read_bits(n0, 1, k)
+        return out
+
+    def _read_bits(self, n0, t, k):
+        """§2.3 per query position p: keys 0..R*floor(p/R)-1 quantized, values 0..p-R-1."""
+        r, row = self.residual, k.shape[0] * k.shape[1] * k.shape[3]
+        if t == 1:
+            bits_k = _one_read(self.k.reads(n0 + 1, r * (n0 // r), row))
+            if self.v_bits is None:
+                return bits_k, _one_read((n0 + 1) * 16.0 * row)
+            return bits_k, _one_read(self.v.reads(n0 + 1, max(0, n0 - r), row))
+        p = query_positions(n0, t)
+        bits_k = self.k.reads(p + 1, r * torch.floor(p / r), row)
+        if self.v_bits is None:
+            return bits_k, (p + 1) * 16.0 * row
+        return bits_k, self.v.reads(p + 1, (p - r).clamp(min=0), row)
 
     def stored_bits(self):
         if self.v_bits is None:

@@ -2,7 +2,7 @@
 
 KQ-SVD: Lesens, Rakhshan, Rabusseau, arXiv 2512.05916, AISTATS 2026 (DamienLesens/KQ-SVD,
 ``process_cache.py::compute_proj_KQT_mem``). METHODS.md §4.1 (objective), §4.2 (harness
-baseline), §4.3 (budget); values as KV-COBRA (§5.8).
+baseline, v2: the calibrated step of §1.1b), §4.3 (budget); values as KV-COBRA (§5.8).
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ from .cobra import key_moments, key_spectra
 from .cobra_alloc import Q_MODELS, prefix_terms
 from .codec_state import CodecLayerState, ExactCodec
 from .gaussquant import optimal_step
-from .latent_codec import LatentKeyCodec, build_value_codecs, value_plan
+from .latent_codec import (
+    LatentKeyCodec,
+    build_value_codecs,
+    centered_samples,
+    check_step,
+    sample_tokens_for,
+    step_multipliers,
+    value_plan,
+)
 
 RIDGE_START = 1e-12  # relative to mean(diag): first ridge tried when a Cholesky factorization fails
 
@@ -73,7 +81,11 @@ class KQSVD(KVMethod):
 
     Per KV head (§4.1, GQA: the group's queries stacked, i.e. Q^T Q = n g M_Q): A, B from Cholesky
     factors of n Sigma_K (centered keys) and n M_Q; online c = A^T (k - mu_K), quantized with the
-    fixed-step quantizer (§1.1) at b bits, k_hat = mu_K + B c_hat, then RoPE. One global (r, b),
+    fixed-step quantizer (§1.1) at b bits, k_hat = mu_K + B c_hat, then RoPE. Steps (§4.2 v2):
+    ``step="calibrated"`` (default, §1.1b) Delta_j = m_h s*(b) sqrt(var_j), the one multiplier m_h
+    per head minimizing the empirical MSE of the head's calibration latents c_j / sqrt(var_j)
+    (all r coordinates pooled; they are decorrelated, var_j their variance); ``step="gauss"``
+    Delta_j = s*(b) sqrt(var_j) (§1.1, the v1 rule). One global (r, b),
     r even, b in 2..8, r b = bpd_K d (§4.3), chosen by the minimum summed proxy
     sum_h D(r, b) = sum_h [sum_{i>r} w_i + q(b) sum_{i<=r} w_i] (§5.3 with KL weights). Values as
     KV-COBRA (§5.8). Unsupported when no (r, b) matches the target.
@@ -90,6 +102,14 @@ class KQSVD(KVMethod):
       ``q_model`` "seed" | "gauss" as in KV-COBRA. Ties go to the smaller r.
     * ``centered=False``: Sigma = E[k k^T], mu = 0 (as KV-COBRA's ``--uncentered``).
     * ``quantize=False`` stores float32 latents (test mode).
+    * ``first_fp16=True``: METHODS.md §5.9's first-token protection — the sequence's first token (the
+      attention sink, an outlier the fixed steps clip) is stored at 16 bits on both sides
+      (:class:`methods.codec_state.CodecLayerState` ``exact_first``), counted in the measured bpd
+      (about 16 (ln T + 0.58)/T over positions in track A: 0.06 at T = 2048). Off by default.
+    * ``step`` also sets the value step (§5.8 rotated codec, one multiplier per head from the value
+      sample), so the KV-track baseline is calibrated on both sides. Statistics without a sample
+      (collected without :meth:`calibration_sample_tokens`) fall back to the Gaussian step; the
+      knobs then carry ``step_fallback``.
     """
 
     name: ClassVar[str] = "kqsvd"
@@ -103,10 +123,13 @@ class KQSVD(KVMethod):
     v_group: int = 32
     v_centered: bool = False
     quantize: bool = True
+    step: str = "calibrated"
+    first_fp16: bool = False
 
     def __post_init__(self):
         if self.q_model not in Q_MODELS or self.proxy not in ("eig", "kq"):
             raise ValueError(f"kqsvd: q_model in {tuple(Q_MODELS)}, proxy in ('eig', 'kq')")
+        check_step("kqsvd", self.step)
         self._shape: ModelShape | None = None
         self._cands: list | None = None
         self._rb: tuple[int, int] | None = None
@@ -128,10 +151,17 @@ class KQSVD(KVMethod):
         self._v_bits, self._v_nominal = value_plan(bpd_v, self.v_quant, self.v_group, d)
         self._knobs = {"target_bpd_k": bpd_k, "target_bpd_v": bpd_v, "candidates": self._cands}
 
+    def calibration_sample_tokens(self) -> int:
+        """Calibration tokens per head whose keys/values :meth:`calibrate` wants (§1.1b), 0 if none
+        (:func:`methods.latent_codec.sample_tokens_for`)."""
+        return sample_tokens_for(self.step, self._shape is not None, self._cands is not None, self._v_bits, self.v_quant)
+
     def calibrate(self, stats, seed=0):
         if self._shape is None:
             raise RuntimeError("kqsvd: configure() before calibrate()")
-        self._v_codecs, vknobs = build_value_codecs(stats, self._v_bits, self.v_quant, self.v_group, seed, self.v_centered)
+        self._v_codecs, vknobs = build_value_codecs(
+            stats, self._v_bits, self.v_quant, self.v_group, seed, self.v_centered, self.step
+        )
         self._knobs.update(vknobs, seed=seed)
         if self._cands is None:
             self._k_codecs = [ExactCodec() for _ in stats]
@@ -154,7 +184,11 @@ class KQSVD(KVMethod):
 
         a, b = a[..., :r], b[..., :r]
         var = torch.einsum("ndr,nde,ner->nr", a, cov, a)
-        step = optimal_step(bits) * torch.sqrt(var.clamp(min=1e-300))
+        sd = torch.sqrt(var.clamp(min=1e-300))
+        step = optimal_step(bits) * sd
+        mult, step_knobs = self.step_multipliers(stats, mu, a, sd, bits)
+        if mult is not None:
+            step = step * mult[:, None]
         self._k_codecs = []
         for layer in range(self._shape.n_layers):
             sl = slice(layer * hkv, (layer + 1) * hkv)
@@ -168,12 +202,21 @@ class KQSVD(KVMethod):
             "max_relative_ridge": float(ridge.max()),
             "latent_var_times_n_range": [float(spread.min()), float(spread.max())],
             "padding": "< 8 bits per layer per encode call (0 when T * H_kv * r * b % 8 == 0)",
+            **step_knobs,
         })
+
+    def step_multipliers(self, stats, mu, a, sd, bits):
+        """(m [N] or None, knobs): the §1.1b multiplier of each head from its sample latents
+        A^T (k - mu) / sqrt(var) [n, r] (one group per head: one global b)."""
+        samples = None if self.step == "gauss" else centered_samples(stats, "k", mu)
+        groups = None if samples is None else [((x @ a_n) / sd_n).float() for x, a_n, sd_n in zip(samples, a, sd)]
+        n = samples[0].shape[0] if samples else 0
+        return step_multipliers(self.step, groups, [bits] * (len(groups) if groups else 0), n)
 
     def new_layer_state(self, layer):
         if self._k_codecs is None or self._v_codecs is None:
             raise RuntimeError("kqsvd: calibrate() before new_layer_state()")
-        return CodecLayerState(self._k_codecs[layer], self._v_codecs[layer])
+        return CodecLayerState(self._k_codecs[layer], self._v_codecs[layer], exact_first=int(self.first_fp16))
 
     def knobs(self):
         return dict(self._knobs)

@@ -6,7 +6,8 @@
   layer have different ranks; the parameters are zero-padded to the layer's largest rank and the
   padded coordinates carry 0 bits.
 * :class:`RotatedValueCodec` (§5.8): ``v' = H_d D_s (v - mu)`` (normalized Hadamard, random signs),
-  one global integer width b_V with step s*(b_V) sigma_V per head.
+  one global integer width b_V with step s*(b_V) sigma_V per head (``step="gauss"``), or m_h times
+  that with the calibrated multiplier m_h of §1.1b (``step="calibrated"``).
 * :class:`KiviValueCodec` (§5.8 ablation): KIVI per-token groups of G channels, asymmetric min-max,
   fp16 scale and minimum (:mod:`methods.groupquant`); bpd_V = b + 32/G.
 
@@ -28,9 +29,62 @@ import torch
 
 from .base import LayerStats, Unsupported
 from .codec_state import Codec, ExactCodec
-from .gaussquant import dequantize, optimal_step, pack_codes, quantize, unpack_codes
+from .gaussquant import calibrated_multipliers, dequantize, optimal_step, pack_codes, quantize, unpack_codes
 from .groupquant import dequantize_groups, quantize_groups
 from .hadamard import haar_orthogonal, hadamard, random_signs
+
+
+STEP_MODES = ("gauss", "calibrated")  # §1.1 Gaussian-optimal step | §1.1b calibrated step
+SAMPLE_TOKENS = 4096  # §1.1b: calibration tokens per head the calibrated step asks for
+
+
+def sample_tokens_for(step: str, configured: bool, keys_quantized: bool, v_bits, v_quant: str) -> int:
+    """Calibration tokens per head a codec with ``step`` wants (§1.1b), 0 if none. Before
+    ``configure`` (the harness calibrates first) any ``step="calibrated"`` asks; once configured,
+    only if keys or rotated values are quantized."""
+    if step != "calibrated":
+        return 0
+    if not configured:
+        return SAMPLE_TOKENS
+    return SAMPLE_TOKENS if keys_quantized or (v_bits is not None and v_quant == "hadamard") else 0
+
+
+def check_step(name: str, step: str) -> None:
+    if step not in STEP_MODES:
+        raise ValueError(f"{name}: step={step!r} not in {STEP_MODES}")
+
+
+def centered_samples(stats: list[LayerStats], side: str, mu: torch.Tensor) -> list[torch.Tensor] | None:
+    """Per KV head (layer-major, N = L H) the calibration sample of keys (``side="k"``) or values
+    (``"v"``) minus ``mu`` [N, d], float64 [n, d] each; None when the statistics hold no sample."""
+    samples = [getattr(st, f"{side}_sample") for st in stats]
+    if any(x is None for x in samples):
+        return None
+    mu = mu.cpu().to(torch.float64).reshape(len(stats), -1, mu.shape[-1])  # [L, H, d]
+    out = []
+    for st, x, m in zip(stats, samples, mu):  # stored centered at the statistics' own mean
+        shift = getattr(st, f"mu_{side}").cpu().to(torch.float64) - m
+        out += list((x.to(torch.float64) + shift[:, None, :]).unbind(0))
+    return out
+
+
+def step_multipliers(step: str, groups, bits, n_tokens: int, prefix: str = "") -> tuple[torch.Tensor | None, dict]:
+    """§1.1b multipliers m_g (Delta / (s*(b) sigma)) of normalized sample groups, with their knobs;
+    (None, knobs) for ``step="gauss"``, or for "calibrated" when ``groups`` is None (statistics
+    without a sample: the Gaussian step is used and the knobs say so)."""
+    if step == "gauss":
+        return None, {f"{prefix}step": "gauss"}
+    if groups is None:
+        return None, {f"{prefix}step": "gauss", f"{prefix}step_fallback": "calibrated step asked for, but the calibration statistics hold no sample"}
+    if not groups:  # nothing quantized (every head at rank 0)
+        return torch.zeros(0, dtype=torch.float64), {f"{prefix}step": "calibrated", f"{prefix}step_sample_tokens": int(n_tokens)}
+    mult, _ = calibrated_multipliers(groups, bits)
+    return mult, {
+        f"{prefix}step": "calibrated",
+        f"{prefix}step_multiplier_range": [float(mult.min()), float(mult.max())],
+        f"{prefix}step_multiplier_median": float(mult.median()),
+        f"{prefix}step_sample_tokens": int(n_tokens),
+    }
 
 
 def sub_seed(seed: int, layer: int, head: int, salt: int) -> int:
@@ -210,14 +264,18 @@ def value_plan(bpd_v: float | None, v_quant: str, v_group: int, head_dim: int) -
 
 
 def build_value_codecs(
-    stats: list[LayerStats], bits: int | None, v_quant: str, v_group: int, seed: int, centered: bool
+    stats: list[LayerStats], bits: int | None, v_quant: str, v_group: int, seed: int, centered: bool,
+    step: str = "gauss",
 ) -> tuple[list[Codec], dict]:
-    """One value codec per layer. Hadamard: sigma_V^2 = E||v - mu||^2 / d (mu = 0 unless centered)."""
+    """One value codec per layer. Hadamard: sigma_V^2 = E||v - mu||^2 / d (mu = 0 unless centered),
+    step s*(b_V) sigma_V, times the per-head multiplier of §1.1b with ``step="calibrated"`` (the
+    rotated coordinates of a head share sigma_V, so one multiplier per head)."""
     if bits is None:
         return [ExactCodec() for _ in stats], {"v_codec": "exact16"}
     if v_quant == "kivi":
         return [KiviValueCodec(bits, v_group) for _ in stats], {"v_codec": f"kivi(b={bits},G={v_group})"}
-    codecs, branches = [], set()
+    check_step("values", step)
+    layers, branches = [], set()
     for layer, st in enumerate(stats):
         mu_v, cov_v = st.mu_v.cpu().to(torch.float64), st.cov_v.cpu().to(torch.float64)
         n_heads, d = mu_v.shape
@@ -233,5 +291,17 @@ def build_value_codecs(
             rot, branch = orthogonal_mixer(d, sub_seed(seed, layer, h, 1))
             rots.append(rot)
             branches.add(branch)
-        codecs.append(RotatedValueCodec(torch.stack(rots), optimal_step(bits) * sigma, bits, mu))
-    return codecs, {"v_codec": f"rotated(b={bits},{'/'.join(sorted(branches))},{'centered' if centered else 'uncentered'})"}
+        layers.append((torch.stack(rots), sigma, mu))
+    samples = None if step == "gauss" else centered_samples(stats, "v", torch.cat([mu for _, _, mu in layers]))
+    groups = None
+    if samples is not None:  # y = rot (v - mu) / sigma per head
+        heads = [(rot[h], sigma[h]) for rot, sigma, _ in layers for h in range(rot.shape[0])]
+        groups = [((x @ rot.T) / sig).float() for x, (rot, sig) in zip(samples, heads)]
+    mult, knobs = step_multipliers(step, groups, [bits] * (len(groups) if groups else 0),
+                                   samples[0].shape[0] if samples else 0, prefix="v_")
+    codecs = []
+    for layer, (rot, sigma, mu) in enumerate(layers):
+        scale = 1.0 if mult is None else mult[layer * rot.shape[0] : (layer + 1) * rot.shape[0]]
+        codecs.append(RotatedValueCodec(rot, optimal_step(bits) * sigma * scale, bits, mu))
+    name = f"rotated(b={bits},{'/'.join(sorted(branches))},{'centered' if centered else 'uncentered'})"
+    return codecs, {"v_codec": name, **knobs}

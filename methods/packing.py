@@ -3,11 +3,22 @@
 ``pack_bits(codes, bits)`` packs the last axis of unsigned integer codes (each < 2**bits, 1 <= bits
 <= 8) into a little-endian bit stream of ``ceil(n * bits / 8)`` bytes per row; ``unpack_bits``
 inverts it given the row length ``n``. Vectorized over all leading axes.
+
+Decisions where METHODS.md is silent: the range check of the codes (each < 2**bits) costs two
+device->host synchronizations per call on a GPU, on the hot path of every flush (issue 15, finding
+5), while the package's quantizers clamp their codes into range by construction. It runs when a
+caller asks (``check=True``) or when the environment sets ``KVBENCH_CHECK_CODES=1`` (debugging),
+not by default.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+#: the default of ``pack_bits(check=None)``: ``KVBENCH_CHECK_CODES=1`` checks every call
+CHECK_CODES = os.environ.get("KVBENCH_CHECK_CODES", "0") not in ("", "0")
 
 
 def _check_bits(bits: int) -> None:
@@ -20,8 +31,9 @@ def packed_nbytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [..., n] -> uint8 [..., ceil(n * bits / 8)].
+def pack_bits(codes: torch.Tensor, bits: int, *, check: bool | None = None) -> torch.Tensor:
+    """Codes [..., n] -> uint8 [..., ceil(n * bits / 8)]. ``check``: raise ``ValueError`` on a code
+    outside [0, 2**bits) (None: :data:`CHECK_CODES`; out-of-range codes are otherwise undefined).
 
     For 1, 2 and 4 bits, 8/b codes fill one byte (code j at bit ``j * bits``). Otherwise every 8
     consecutive codes fill exactly ``bits`` bytes: they are OR-ed into one integer word whose bytes,
@@ -34,7 +46,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.to(torch.uint8).contiguous()
     n = codes.shape[-1]
     lead = codes.shape[:-1]
-    if codes.numel():
+    if (CHECK_CODES if check is None else check) and codes.numel():
         lo, hi = torch.aminmax(codes)
         if int(lo) < 0 or int(hi) >= (1 << bits):
             raise ValueError(f"codes out of range for {bits} bits")

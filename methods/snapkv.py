@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from .attention import causal_attention, expand_kv
 from .base import KVMethod, LayerState, Unsupported
+from .codec_state import cumulative_bits
+from .kivi import Growing
 from .sparsifier import (
     round_half_up,
     shared_target,
@@ -160,6 +162,28 @@ class SnapKVLayerState(LayerState):
         self._idx = None  # prompt positions kept [B, Hs, C] (diagnostics; not part of the cache)
         self._seen = 0
 
+    # the kept K, V live in growing buffers: a decode step appends its token instead of copying
+    # the cache (issue 15, finding 4); ``_k``/``_v`` read and replace their contents
+    @property
+    def _k(self) -> torch.Tensor | None:
+        return self._kb.data
+
+    @_k.setter
+    def _k(self, x: torch.Tensor | None) -> None:
+        self._kb = Growing()
+        if x is not None:
+            self._kb.append(x)
+
+    @property
+    def _v(self) -> torch.Tensor | None:
+        return self._vb.data
+
+    @_v.setter
+    def _v(self, x: torch.Tensor | None) -> None:
+        self._vb = Growing()
+        if x is not None:
+            self._vb.append(x)
+
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"snapkv: {q.shape[1]} query heads for {k.shape[1]} KV heads")
@@ -182,6 +206,7 @@ class SnapKVLayerState(LayerState):
             raise ValueError("snapkv: prefill must be the first call on a layer state")
         t = k.shape[2]
         c = self.capacity_for(t)
+        self._reads = None
         out = causal_attention(q, k, v, scaling)
         if t <= c:
             self._k, self._v = k, v
@@ -207,9 +232,13 @@ class SnapKVLayerState(LayerState):
         hs = self._k.shape[1]
         if hs != k.shape[1]:
             k, v = expand_kv(k, hs // k.shape[1]), expand_kv(v, hs // v.shape[1])
-        self._k = torch.cat([self._k, k.to(self._k.dtype)], dim=2)
-        self._v = torch.cat([self._v, v.to(self._v.dtype)], dim=2)
+        prior_k, prior_v = self.stored_bits()
+        self._kb.append(k.to(self._kb.data.dtype))
+        self._vb.append(v.to(self._vb.data.dtype))
         self._seen += q.shape[2]
+        t = k.shape[2]
+        self._reads = (cumulative_bits(prior_k, [(t, 16.0 * k.numel())]),
+                       cumulative_bits(prior_v, [(t, 16.0 * v.numel())]))
         # the FP16 baseline's own kernel: kept tokens first, then the new ones, causal among them
         return causal_attention(q, self._k, self._v, scaling)
 
@@ -230,3 +259,18 @@ class SnapKVLayerState(LayerState):
     def kept_prompt_positions(self) -> torch.Tensor | None:
         """Prompt positions kept at the end of prefill [B, Hs, C] (ascending), for diagnostics."""
         return self._idx
+
+    # --- issue 12 (compose) hook: a codec hands the eviction the decoded form of its tokens ---
+    def kept_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The stored K, V [B, Hs, n, d]: the kept prompt (``kept_prompt_positions`` order), then
+        every decoded token in arrival order; the tensors themselves (a codec may overwrite
+        entries in place with their decoded form)."""
+        return self._k, self._v
+
+    def replace_kept_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the stored K, V by same-shaped tensors (the decoded form a codec stores them
+        in, METHODS.md §12); the kept set is unchanged."""
+        if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
+            raise ValueError("snapkv: replace_kept_kv needs tensors shaped like the kept cache")
+        self._k, self._v = k, v
+    # --- end of the issue 12 hook ---

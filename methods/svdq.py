@@ -23,14 +23,23 @@ Hong et al., "SVDq: 1.25-bit and 410x Key Cache Compression for LLM Attention", 
 
 Decisions where METHODS.md is silent (or inconsistent):
 
-* **Budget convention** (``budget``). ``"mean"`` (default, §3.3 literally and the paper's
-  convention): the target is the schedule mean b_bar, so bpd=2.0 gives the paper's schedule; the
-  metadata, basis and buffer shares are on top and are reported as measured bpd (2.16 in calib
-  mode). Reachable: 1/16 <= target <= 8 (S in 1..64). ``"total"``: the largest S whose asymptotic
-  nominal bpd S/8 + (n_act/d) 32/G_t is <= target (like KIVI's mapping; the T-dependent basis and
-  buffer shares are reported, not mapped); floor 1/8 + 4/G_t (0.156 at G_t=128). §8's "0.5: calib
-  only" is a quality remark, not reachability: in prefill mode 0.5 costs 0.5 + 0.031 + 0.133 = 0.66
-  measured at T=2048 (d=128), in calib mode 0.53.
+* **Budget convention** (``budget``). ``"measured"`` (default, issue 11 / METHODS.md §0 v2): the
+  target (within 2 %, the tables' band) is the *measured* bpd_K of the regime the job is evaluated in (``set_regime``: Q-all
+  over T positions, or a P-token prefill plus D decoded positions), fp16 buffer, metadata and
+  per-sequence basis included. Among schedules of S = 1..64 bits (greedy; the paper's at S = 16)
+  and G_t in {8, 16, 24, 32, 48, 64, 96, 128} (or the given ``group``), those predicted (§3.3 per read position,
+  :func:`predicted_bpd`) within 2 % of the target come first, then those below it; the least
+  expected key distortion (share of keys read quantized x relative MSE of the schedule under the §1.1
+  Gaussian column) wins. None fits -> :class:`Unsupported` with the reachable range of that
+  regime (SmolLM2, Q-all at T = 2048: about 0.80-8; 0.5 is out of reach, since every query below
+  position G_t reads a full-precision cache). ``"mean"`` (the paper's convention, labelled as
+  such): the target is the schedule mean b_bar, so bpd=2.0 gives the paper's schedule and the
+  metadata, basis and buffer shares come on top (2.16 + buffer in calib mode), G_t = 128.
+  ``"total"``: the largest S whose asymptotic S/8 + (n_act/d) 32/G_t is <= target (buffer and
+  basis shares not mapped), G_t = 128.
+* Basis ``"auto"`` (default, §3.1): the prefill basis after an exact prefill (prefill-exact
+  regimes; counted in bpd), the calibration basis in Q-all, decided by each layer state's first
+  call; ``"calib"`` / ``"prefill"`` force one.
 * One global schedule for all layers and heads (the paper's form); the greedy rule needs
   calibration eigenvalues, so a non-paper schedule is resolved in ``calibrate`` (also in prefill
   mode, where only the schedule uses the statistics). An explicit ``schedule`` overrides everything.
@@ -42,24 +51,25 @@ Decisions where METHODS.md is silent (or inconsistent):
 * Values: 16-bit (kept exactly) unless ``bpd_v`` or ``v_bits`` is given; then KIVI's per-token
   group quantizer at (b_V, G_V) chosen like KIVI's (largest b + 32/G <= target, G <= d), applied on
   arrival with **no** residual window (§5.8 ablation form), so bpd_V = b_V + 32/G_V exactly.
-* Latents are computed in float32; calibration eigendecomposition in float64.
+* Latents are computed in float32 (float64 for float64 inputs); calibration eigendecomposition in
+  float64.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .attention import causal_attention
-from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope
+from .attention import causal_attention, work_dtype
+from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
 from .groupquant import dequantize_groups, quantize_groups
 from .kivi import (
     SDPA_MIN_QUERIES,
     Growing,
-    _advance,
-    _cat,
+    _one_read,
     _row,
     _SideStore,
     blocked_attention,
@@ -69,6 +79,11 @@ from .kivi import (
 
 N_GROUPS = 8
 PAPER_SCHEDULE = (8, 4, 2, 1, 1, 0, 0, 0)
+GROUP_GRID = (8, 16, 24, 32, 48, 64, 96, 128)  # G_t tried by budget='measured'
+DEFAULT_GROUP = 128  # G_t of budget='mean' / 'total' and of explicit schedules [decision, §3.2]
+BASES = ("auto", "calib", "prefill")
+BUDGETS = ("measured", "mean", "total")
+AT_TARGET = 0.02  # relative band in which a measured bpd counts as at its target (the tables' †)
 #: e(b) = MSE / sigma^2 of the MSE-optimal uniform quantizer of N(0, 1), b = 0..8 (METHODS.md §1.1)
 GAUSS_MSE = (1.0, 0.363, 0.119, 0.0374, 0.0115, 0.00350, 0.00104, 3.04e-4, 8.77e-5)
 _EPS = 1e-9
@@ -98,6 +113,46 @@ def schedule_nominal(schedule, group_tokens: int) -> float:
     return sum(schedule) / N_GROUPS + active / N_GROUPS * 32.0 / group_tokens
 
 
+def _read_positions(regime) -> torch.Tensor:
+    """Query positions whose reads the distortion proxy averages over: every position of a Q-all
+    pass; the decoded ones after a prefill (the last prompt position when nothing is decoded)."""
+    if regime.kind == "qall":
+        return torch.arange(regime.tokens, dtype=torch.float64)
+    if regime.decode == 0:
+        return torch.tensor([regime.tokens - 1.0], dtype=torch.float64)
+    return torch.arange(regime.tokens, regime.tokens + regime.decode, dtype=torch.float64)
+
+
+def predicted_bpd(schedule, group: int, head_dim: int, regime, basis: str) -> float:
+    """The measured bpd_K of METHODS.md §0 v2 from §3.3. Q-all: per query position p, keys
+    0..G_t floor(p/G_t)-1 read quantized at mean(b_j) + (n_act/d) 32/G_t bits, the rest fp16,
+    averaged over p. Prefill-exact: the stored cache at the end of a P-token prefill (keys below
+    G_t floor(P/G_t) quantized). Plus 16 (n_act + 1)/n for a prefill basis."""
+    if regime.kind == "qall":
+        p = torch.arange(regime.tokens, dtype=torch.float64)
+        n, nq = p + 1, group * torch.floor(p / group)
+    else:
+        n = torch.tensor([float(regime.tokens)], dtype=torch.float64)
+        nq = group * torch.floor(n / group)
+    quant = schedule_nominal(schedule, group)
+    bits = nq * quant + (n - nq) * 16.0
+    if basis == "prefill":
+        bits = bits + 16.0 * (len(active_channels(schedule, head_dim)) + 1)
+    return float((bits / n).mean())
+
+
+def quantized_share(group: int, regime) -> float:
+    """Mean over the regime's read positions of the fraction of keys read quantized."""
+    p = _read_positions(regime)
+    return float((group * torch.floor(p / group) / (p + 1)).mean())
+
+
+def schedule_mse(schedule, group_var) -> float:
+    """Relative key MSE of a schedule, sum_j lambda_j e(b_j) / sum_j lambda_j (§1.1 column)."""
+    lam = [max(float(x), 0.0) for x in group_var]
+    return sum(l * GAUSS_MSE[b] for l, b in zip(lam, schedule)) / max(sum(lam), 1e-300)
+
+
 def active_channels(schedule, head_dim: int) -> list[int]:
     m = head_dim // N_GROUPS
     return [j * m + i for j, b in enumerate(schedule) if b > 0 for i in range(m)]
@@ -114,6 +169,17 @@ def _svd_basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 @dataclass
+class _Prefix:
+    """A view of the quantized key prefix, for tests and diagnostics (``.data``, ``.n``)."""
+
+    data: torch.Tensor | None
+
+    @property
+    def n(self) -> int:
+        return 0 if self.data is None else self.data.shape[2]
+
+
+@dataclass
 class SVDqLayerState(LayerState):
     schedule: tuple
     group: int
@@ -122,16 +188,39 @@ class SVDqLayerState(LayerState):
     basis: torch.Tensor | None  # [H, d, n_act]
     v_bits: int | None
     v_group: int | None
+    #: the calibration basis on each device it was used on, shared by the layer's states
+    #: (``SVDq.new_layer_state``): moved from the CPU once, not once per state
+    on_device: dict | None = None
     packed: list = field(default_factory=list)
-    k_hat: Growing = field(default_factory=Growing)  # decoded quantized keys, post-RoPE
-    buf_pre: torch.Tensor | None = None
-    buf_post: torch.Tensor | None = None
-    buf_cos: torch.Tensor | None = None
-    buf_sin: torch.Tensor | None = None
+    #: what a single query at the next position reads, post-RoPE: the decoded quantized keys
+    #: (positions < n_quant), then the fp16 buffer's exact keys (one contiguous buffer)
+    keys: Growing = field(default_factory=Growing)
+    n_quant: int = 0
+    #: the fp16 buffer's pre-RoPE keys and their (cos, sin), in arrival chunks, until a group
+    #: completes (one decode step appends a view: no copy)
+    pending: list = field(default_factory=list)
     v: _SideStore = field(default_factory=_SideStore)
     v_exact: Growing = field(default_factory=Growing)
     basis_bits: int = 0
     _seen: int = 0
+    _packed_bits: int = 0
+
+    @property
+    def k_hat(self) -> "_Prefix":
+        """The decoded quantized keys [B, H, n_quant, d] (``.data``, a view; ``.n``)."""
+        return _Prefix(self.keys.data[:, :, : self.n_quant] if self.n_quant else None)
+
+    def _params(self, device):
+        """(mu, basis) on ``device``: the calibration basis is copied from the CPU once per
+        layer and device (issue 15, finding 5); a prefill basis is made on the device."""
+        if self.mu.device == device:
+            return self.mu, self.basis
+        key = str(device)
+        shared = self.on_device if self.on_device is not None else {}
+        if key not in shared:
+            shared[key] = (self.mu.to(device), self.basis.to(device))
+        self.mu, self.basis = shared[key]
+        return self.mu, self.basis
 
     def _set_prefill_basis(self, k_pre):
         mu, _, vecs = _svd_basis(k_pre)
@@ -142,10 +231,10 @@ class SVDqLayerState(LayerState):
 
     def _encode(self, k_pre, cos, sin):
         """Quantize complete token groups of pre-RoPE keys; return packed and k_hat post-RoPE."""
-        if self.mu.device != k_pre.device:  # calibration statistics live on the CPU
-            self.mu, self.basis = self.mu.to(k_pre.device), self.basis.to(k_pre.device)
-        mu, basis = self.mu, self.basis
-        c = (k_pre.float() - mu) @ basis  # [B, H, m, n_act]
+        mu, basis = self._params(k_pre.device)  # calibration statistics live on the CPU
+        dt = work_dtype(k_pre)  # float32, or float64 for float64 inputs (exactness tests)
+        mu, basis = mu.to(dt), basis.to(dt)
+        c = (k_pre.to(dt) - mu) @ basis  # [B, H, m, n_act]
         m = k_pre.shape[-1] // N_GROUPS
         packs, parts, start = [], [], 0
         for b in self.schedule:
@@ -165,6 +254,10 @@ class SVDqLayerState(LayerState):
         n0, n = self._seen, self._seen + k.shape[2]
         if prefill and n0:
             raise ValueError("prefill must be the first call on a layer state")
+        if self.mode == "auto" and not n0:  # §3.1: the prefill basis where the regime allows it
+            self.mode = "prefill" if prefill else "calib"
+            if prefill:
+                self.mu = self.basis = None
         if self.mode == "prefill" and self.mu is None:
             if not prefill:
                 raise ValueError(
@@ -172,49 +265,83 @@ class SVDqLayerState(LayerState):
                     "prefill=True (in Q-all the basis would see future keys); use basis='calib'"
                 )
             self._set_prefill_basis(k_pre)
-        g = self.group
-        kp = self.k_hat.data  # read quantized by every new query
-        pre, post = _cat(self.buf_pre, k_pre), _cat(self.buf_post, k)
-        cos = rope.cos if self.buf_cos is None else torch.cat([self.buf_cos, rope.cos], dim=1)
-        sin = rope.sin if self.buf_sin is None else torch.cat([self.buf_sin, rope.sin], dim=1)
-        m = g * (n // g) - g * (n0 // g)
-        hat_tail = post
-        if m > 0:
-            packs, new_hat = self._encode(pre[:, :, :m], cos[:, :m], sin[:, :m])
-            self.packed.extend(packs)
-            self.k_hat.append(new_hat)
-            hat_tail = torch.cat([new_hat, post[:, :, m:]], dim=2)
-        # the buffers are copies when m > 0: slices would keep the whole chunk's storage alive
-        keep = (lambda x: x[:, :, m:].clone()) if m > 0 else (lambda x: x)
-        keep_rope = (lambda x: x[:, m:].clone()) if m > 0 else (lambda x: x)
-        self.buf_pre, self.buf_post = keep(pre), keep(post)
-        self.buf_cos, self.buf_sin = keep_rope(cos), keep_rope(sin)
+        g, t = self.group, k.shape[2]
+        pk = self.n_quant  # read quantized by every new query
+        m = g * (n // g) - pk  # tokens whose group completes now
+        single = t == 1 and not prefill
+        exact = None
+        if not single:  # the positions pk.. at full precision (before the group is replaced)
+            exact = k if self.keys.n == pk else torch.cat([self.keys.data[:, :, pk:], k], dim=2)
+        self.keys.append(k)
+        self.pending.append((k_pre, rope.cos, rope.sin))
         if self.v_bits is None:
             self.v_exact.append(v)
             v_all = self.v_exact.data
         else:  # quantized on arrival, no residual window
             vg = self.v_group or min(32, v.shape[-1])
-            _advance(self.v, v, n, lambda x: quantize_groups(x, self.v_bits, vg, axis=3))
-            v_all = self.v.hat.data
+            self.v.append_quantized(v, lambda x: quantize_groups(x, self.v_bits, vg, axis=3))
+            v_all = self.v.buf.data
+        out = None
+        if single:  # the query at n0 reads keys < G_t floor(n0/G_t) = pk quantized: the buffer as is
+            out = causal_attention(q, self.keys.data, v_all, scaling)
+        if m > 0:
+            self._flush(m)
         self._seen = n
+        self._reads = None if prefill else self._read_bits(n0, t, k)
+        if out is not None:
+            return out
         if prefill:
             return causal_attention(q, k, v, scaling)
-        if k.shape[2] >= SDPA_MIN_QUERIES:
-            return blocked_attention(q, kp, post, hat_tail, g, None, v_all, None, None, scaling)
+        kp = self.keys.data[:, :, :pk] if pk else None
+        hat_tail = self.keys.data[:, :, pk:]
+        if t >= SDPA_MIN_QUERIES:
+            return blocked_attention(q, kp, exact, hat_tail, g, None, v_all, None, None, scaling)
         tpos = torch.arange(n0, n, device=q.device)[:, None]
-        pk = 0 if kp is None else kp.shape[2]
         key_mask = torch.arange(pk, n, device=q.device)[None, :] < g * torch.div(
             tpos, g, rounding_mode="floor"
         )
-        return mixed_attention(q, kp, post, hat_tail, key_mask, None, v_all, None, None, scaling)
+        return mixed_attention(q, kp, exact, hat_tail, key_mask, None, v_all, None, None, scaling)
+
+    def _flush(self, m: int) -> None:
+        """Quantize the first m pending keys (complete groups) and replace their exact copies in
+        ``keys`` by the decoded form; the remaining pending keys are copied (a slice would keep
+        the whole chunk alive)."""
+        chunks = self.pending
+        pre, cos, sin = (
+            chunks[0] if len(chunks) == 1 else
+            (torch.cat([c[0] for c in chunks], dim=2), torch.cat([c[1] for c in chunks], dim=1),
+             torch.cat([c[2] for c in chunks], dim=1))
+        )
+        packs, new_hat = self._encode(pre[:, :, :m], cos[:, :m], sin[:, :m])
+        self.packed.extend(packs)
+        self._packed_bits += sum(p.bits() for p in packs)
+        self.keys.write(self.n_quant, new_hat)
+        self.n_quant += m
+        rest = pre.shape[2] - m
+        self.pending = [(pre[:, :, m:].clone(), cos[:, m:].clone(), sin[:, m:].clone())] if rest else []
+
+    def _read_bits(self, n0, t, k):
+        """Per query position p: keys 0..G_t*floor(p/G_t)-1 quantized, the rest in the fp16
+        buffer, plus the per-sequence basis; values exact or quantized on arrival."""
+        g, row = self.group, k.shape[0] * k.shape[1] * k.shape[3]
+        per_token = self._packed_bits / self.n_quant if self.n_quant else 0.0
+        if t == 1:  # a decode step: Python numbers
+            bits_k = held_bits(n0 + 1, g * (n0 // g), per_token, 16.0 * row, self.basis_bits)
+            bits_v = (n0 + 1) * 16.0 * row if self.v_bits is None else self.v.reads(n0 + 1, n0 + 1, row)
+            return _one_read(bits_k), _one_read(bits_v)
+        p = query_positions(n0, t)
+        bits_k = held_bits(p + 1, g * torch.floor(p / g), per_token, 16.0 * row, self.basis_bits)
+        if self.v_bits is None:
+            return bits_k, (p + 1) * 16.0 * row
+        return bits_k, self.v.reads(p + 1, p + 1, row)
 
     def stored_bits(self):
-        buf = 0 if self.buf_pre is None else self.buf_pre.numel() * 16
+        buf = sum(c[0].numel() for c in self.pending) * 16
         if self.v_bits is None:
             bits_v = self.v_exact.n * _row(self.v_exact) * 16
         else:
             bits_v = self.v.bits()
-        return sum(p.bits() for p in self.packed) + buf + self.basis_bits, bits_v
+        return self._packed_bits + buf + self.basis_bits, bits_v
 
     @property
     def n_seen(self):
@@ -232,18 +359,20 @@ class SVDq(KVMethod):
     name = "svdq"
     needs_calibration = True
 
-    basis: str = "calib"
+    basis: str = "auto"
     schedule: tuple | None = None
-    group: int = 128
-    budget: str = "mean"
+    group: int | None = None
+    budget: str = "measured"
     v_bits: int | None = None
     v_group: int | None = None
 
     def __post_init__(self):
-        if self.basis not in ("calib", "prefill"):
-            raise ValueError(f"svdq: basis must be 'calib' or 'prefill', got {self.basis!r}")
-        if self.budget not in ("mean", "total"):
-            raise ValueError(f"svdq: budget must be 'mean' or 'total', got {self.budget!r}")
+        if self.basis not in BASES:
+            raise ValueError(f"svdq: basis must be one of {BASES}, got {self.basis!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"svdq: budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.group is not None and (int(self.group) != self.group or self.group < 1):
+            raise ValueError(f"svdq: group must be a positive integer (or null), got {self.group!r}")
         if self.schedule is not None:
             self.schedule = tuple(int(b) for b in self.schedule)
             if len(self.schedule) != N_GROUPS or not all(0 <= b <= 8 for b in self.schedule):
@@ -257,10 +386,17 @@ class SVDq(KVMethod):
         if d % N_GROUPS:
             raise Unsupported(f"svdq: head_dim {d} is not a multiple of {N_GROUPS}")
         self._target, self._sched = bpd_k, None
+        self._group = self.group or DEFAULT_GROUP
+        self._fit = None
         if self.schedule is not None:
             self._sched = self.schedule
         elif bpd_k is None:
             self._sched = PAPER_SCHEDULE
+        elif self.budget == "measured":
+            lo = min(predicted_bpd((1,) + (0,) * (N_GROUPS - 1), g, d, self.regime, self._basis_kind())
+                     for g in self._groups())
+            if bpd_k < lo - _EPS:
+                raise Unsupported(self._unreachable(bpd_k, d))
         elif self.budget == "mean":
             s = math.floor(8 * bpd_k + 0.5)
             if not 1 <= s <= 8 * N_GROUPS:
@@ -271,14 +407,14 @@ class SVDq(KVMethod):
             self._sched = PAPER_SCHEDULE if s == 16 else None
             self._total_bits = s
         else:
-            floor = schedule_nominal((1,) + (0,) * (N_GROUPS - 1), self.group)
+            floor = schedule_nominal((1,) + (0,) * (N_GROUPS - 1), self._group)
             if bpd_k < floor - _EPS:
                 raise Unsupported(
                     f"svdq: bpd={bpd_k} is below the reachable range: bpd >= {floor:g} "
-                    f"(1 bit in one latent group + {32 / (N_GROUPS * self.group):g} of metadata, "
-                    f"G_t={self.group}), plus the basis/buffer shares"
+                    f"(1 bit in one latent group + {32 / (N_GROUPS * self._group):g} of metadata, "
+                    f"G_t={self._group}), plus the basis/buffer shares"
                 )
-            if bpd_k >= schedule_nominal((8,) * N_GROUPS, self.group) - _EPS:
+            if bpd_k >= schedule_nominal((8,) * N_GROUPS, self._group) - _EPS:
                 self._sched = (8,) * N_GROUPS
         self._v = (None, None)
         if bpd_v is not None or self.v_bits is not None:
@@ -289,19 +425,66 @@ class SVDq(KVMethod):
         self._head_dim = d
         self._maybe_resolve()
 
+    def _groups(self) -> tuple[int, ...]:
+        return (int(self.group),) if self.group is not None else GROUP_GRID
+
+    def _basis_kind(self) -> str:
+        """The basis the fitted regime will use: ``auto`` is the prefill basis in prefill-exact
+        regimes and the calibration basis in Q-all (§3.1)."""
+        if self.basis != "auto":
+            return self.basis
+        return "prefill" if self.regime.kind == "prefill" else "calib"
+
+    def _unreachable(self, target, d) -> str:
+        r = self.regime
+        where = (f"Q-all over {r.tokens} positions" if r.kind == "qall"
+                 else f"a {r.tokens}-token prefill + {r.decode} decoded positions")
+        lo = min(predicted_bpd((1,) + (0,) * (N_GROUPS - 1), g, d, r, self._basis_kind()) for g in self._groups())
+        hi = max(predicted_bpd((8,) * N_GROUPS, g, d, r, self._basis_kind()) for g in self._groups())
+        return (f"svdq: bpd={target} is not reachable in {where} ({self._basis_kind()} basis): the "
+                f"measured bpd_K, fp16 buffer and metadata included, lies in [{lo:.3g}, {hi:.3g}] "
+                f"for G_t in {list(self._groups())} (budget='mean' counts the schedule mean only)")
+
+    def _fit_schedule(self, group_var, d):
+        """budget='measured': among schedules of S = 1..64 bits (greedy, the paper's at 16) and
+        G_t in the grid, those whose predicted measured bpd_K in the regime is at most 2 % above
+        the target (the tables' "at target" band); those inside the band come first, then the
+        least expected key distortion (fraction of reads quantized x relative MSE of the
+        schedule). Sets the group size; Unsupported when none fits."""
+        best, band = None, AT_TARGET * self._target
+        for s in range(1, 8 * N_GROUPS + 1):
+            sched = PAPER_SCHEDULE if s == 16 else greedy_schedule(s, group_var, d)
+            for g in self._groups():
+                pred = predicted_bpd(sched, g, d, self.regime, self._basis_kind())
+                if pred > self._target + band + _EPS:
+                    continue
+                proxy = quantized_share(g, self.regime) * schedule_mse(sched, group_var)
+                key = (pred < self._target - band, proxy, -s, -g)  # at the target first
+                if best is None or key < best[0]:
+                    best = (key, sched, g, pred)
+        if best is None:
+            raise Unsupported(self._unreachable(self._target, d))
+        _, sched, self._group, pred = best
+        self._fit = {"regime": dataclasses.asdict(self.regime), "basis": self._basis_kind(),
+                     "predicted_bpd_k": pred}
+        return sched
+
     def _resolve_schedule(self, group_var, d):
+        if self.budget == "measured":
+            return self._fit_schedule(group_var, d)
         if self.budget == "mean":
             s = self._total_bits
             return PAPER_SCHEDULE if s == 16 else greedy_schedule(s, group_var, d)
         for s in range(min(8 * N_GROUPS, math.floor(8 * self._target + _EPS)), 0, -1):
             sched = PAPER_SCHEDULE if s == 16 else greedy_schedule(s, group_var, d)
-            if schedule_nominal(sched, self.group) <= self._target + _EPS:
+            if schedule_nominal(sched, self._group) <= self._target + _EPS:
                 return sched
         raise Unsupported(f"svdq: no schedule fits bpd={self._target}")  # excluded by configure
 
     # ---- calibration --------------------------------------------------------------------------
     def calibrate(self, stats, seed=0):
         self._mu, self._basis, lam = [], [], []
+        self._layer_cache = {}  # per-layer bases of the previous calibration
         for st in stats:
             _, evals, evecs = _svd_basis_from_cov(st.cov_k)
             self._mu.append(st.mu_k.float())
@@ -336,23 +519,37 @@ class SVDq(KVMethod):
     def new_layer_state(self, layer):
         sched = self._schedule()
         vb, vg = getattr(self, "_v", (self.v_bits, self.v_group))
+        group = getattr(self, "_group", None) or self.group or DEFAULT_GROUP
         if self.basis == "prefill":
-            return SVDqLayerState(sched, self.group, "prefill", None, None, vb, vg)
+            return SVDqLayerState(sched, group, "prefill", None, None, vb, vg)
         if not hasattr(self, "_basis"):
-            raise RuntimeError("svdq basis='calib' needs calibrate(stats) first")
-        d = self._basis[layer].shape[-1]
-        idx = torch.tensor(active_channels(sched, d))
-        mu = self._mu[layer][None, :, None, :]
-        return SVDqLayerState(sched, self.group, "calib", mu, self._basis[layer][:, :, idx], vb, vg)
+            raise RuntimeError(f"svdq basis={self.basis!r} needs calibrate(stats) first")
+        mu, basis, on_device = self._layer_params(layer, sched)
+        return SVDqLayerState(sched, group, self.basis, mu, basis, vb, vg, on_device)
+
+    def _layer_params(self, layer: int, sched) -> tuple:
+        """(mu [1, H, 1, d], active basis columns [H, d, n_act], per-device copies) of a layer,
+        made once per schedule and shared by every state of the layer (a session makes one per
+        layer per sequence)."""
+        cache = self.__dict__.setdefault("_layer_cache", {})
+        key = (layer, tuple(sched))
+        if key not in cache:
+            d = self._basis[layer].shape[-1]
+            idx = torch.tensor(active_channels(sched, d))
+            cache[key] = (self._mu[layer][None, :, None, :], self._basis[layer][:, :, idx], {})
+        return cache[key]
 
     def knobs(self):
         vb, vg = getattr(self, "_v", (self.v_bits, self.v_group))
         sched = getattr(self, "_sched", None) or self.schedule
         return {
             "basis": self.basis,
+            "basis_rule": "prefill basis after an exact prefill, calibration basis in Q-all"
+            if self.basis == "auto" else self.basis,
             "schedule": list(sched) if sched else None,
-            "group_tokens": self.group,
+            "group_tokens": getattr(self, "_group", None) or self.group or DEFAULT_GROUP,
             "budget": self.budget,
+            "fit": getattr(self, "_fit", None),
             "v_bits": vb,
             "v_group": vg,
         }
@@ -361,9 +558,10 @@ class SVDq(KVMethod):
         t = n_tokens
         sched = self._schedule()
         d = getattr(self, "_head_dim", None)
-        n_b = t % self.group
-        bpd_k = ((t - n_b) * schedule_nominal(sched, self.group) + 16.0 * n_b) / t
-        if self.basis == "prefill":
+        group = getattr(self, "_group", None) or self.group or DEFAULT_GROUP
+        n_b = t % group
+        bpd_k = ((t - n_b) * schedule_nominal(sched, group) + 16.0 * n_b) / t
+        if self._basis_kind() == "prefill":
             if d is None:
                 raise RuntimeError("svdq: nominal_bpd in prefill mode needs configure() (head_dim)")
             n_act = len(active_channels(sched, d))

@@ -68,9 +68,35 @@ def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2
     return model
 
 
+def configured_method(model, name, options, bpd, v_bpd, stats, seed: int = 0):
+    """A registered method configured for ``model``'s shape and calibrated on ``stats``."""
+    from kvbench.integrate import model_shape
+    from methods import build_method
+
+    method = build_method(name, **options)
+    method.configure(model_shape(model), bpd, v_bpd)
+    if method.needs_calibration:
+        method.calibrate(stats, seed=seed)
+    return method
+
+
 @pytest.fixture
 def tiny_model():
     return tiny_llama()
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """A word-level tokenizer over ``w0 .. w{vocab_size-1}`` built in memory (no files): any other
+    word is ``w0`` (unk); ``w1`` is EOS and padding. Enough for lm-eval's HFLM over tiny_llama."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="w0", eos_token="w1", pad_token="w1"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -118,8 +118,10 @@ MAIN_MD = """\
 | Mistral-7B   | KV-COBRA-KL  | 0.5      |        0.50 |         8.25 |             36.00 |           35.05 |                52.5 |               8.73 |   1 |
 
 - Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total when some are not ok. bpd = target bits per K element with V at 16 (K, V when V has its own budget); meas. = measured, mean over runs; bpd_KV = (bpd_K + bpd_V)/2.
-- PPL arith. mean = arithmetic mean of each run's PPL over wikitext2, ptb, c4 (the seed's convention, dominated by the largest PPL); geo. mean = geometric mean over the same datasets. A run missing one of them has no PPL mean (see `--ppl-datasets`, `--ppl-partial`).
-- Zero-shot avg = zeroshot_avg × 100; LongBench F1 = longbench_avg.
+- PPL arith. mean = arithmetic mean of each run's PPL over wikitext2, ptb, c4 (the seed's convention, dominated by the largest PPL); geo. mean = geometric mean over the same datasets (track not recorded; the datasets every run with PPL reports, --ppl-datasets overrides).
+- Zero-shot avg = zeroshot_avg × 100 (the result's mean; its tasks are not recorded).
+- LongBench F1 = longbench_avg, the result's mean (its subsets are not recorded).
+- 16 ok run(s) carry no bpd convention label (result files older than METHODS.md v2): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
 - — = unsupported: the method cannot reach this budget (every run reported status `unsupported`).
 - div. = diverged: at least one seed diverged (k/n = diverged of all runs); no mean is shown, since dropping the diverged seeds would flatter the method.
 - fail = at least one run failed (k/n = failed of all runs; see `error` in its result.json); rerun it before reporting.
@@ -138,7 +140,9 @@ ABLATION_MD = """\
 | w/o Hadamard (1.0 bpd K-only) | LLaMA-3.1-8B | (1.0, 16.0)    | (1.00, 16.00) |            42.15 |           6.54 |   1 |
 
 - Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total when some are not ok. T = K_bpd + V_bpd (the seed's sum; bpd_KV = T/2); K-only rows keep V at 16 bits. w/o C2 = uniform per-head budget (method.c2=false); w/o Hadamard = method.rotation=none.
-- PPL = ppl_wikitext2; LongBench F1 = longbench_avg.
+- PPL = ppl_wikitext2 (track not recorded; the first of the datasets every run with PPL reports, --ppl-dataset overrides). Left out (not in every run): ptb (5 of 17 runs), c4 (5 of 17 runs).
+- LongBench F1 = longbench_avg, the result's mean (its subsets are not recorded).
+- 17 ok run(s) carry no bpd convention label (result files older than METHODS.md v2): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
 """
 
 
@@ -306,11 +310,25 @@ def smollm_runs(root: Path) -> Path:
     return root
 
 
-def test_ppl_datasets_default_is_missing_not_filled(tmp_path, capsys):
-    code, out, err = run_cli(["main-table", smollm_runs(tmp_path / "r")], capsys)
+def test_ppl_datasets_named_but_absent_are_missing_not_filled(tmp_path, capsys):
+    code, out, err = run_cli(["main-table", smollm_runs(tmp_path / "r"),
+                              "--ppl-datasets", "wikitext2,ptb,c4"], capsys)
     assert code == 0
     assert out.count("| missing ") + out.count(" missing |") >= 2
     assert "no run reports ppl dataset(s) wikitext2, c4 (available: ptb, wiki_proxy)" in err
+
+
+def test_ppl_datasets_default_is_the_common_set(tmp_path, capsys):
+    """ptb is in every run, wiki_proxy in 2 of 3: the default column is PTB alone, and the note
+    names what was left out."""
+    code, out, err = run_cli(["main-table", smollm_runs(tmp_path / "r")], capsys)
+    assert code == 0 and "warning" not in err
+    assert "PTB PPL ↓" in out.splitlines()[0] and "PPL arith. mean" not in out
+    rows = [line for line in out.splitlines() if "SmolLM2" in line]
+    assert " 40.00 |" in rows[0] and " 62.00 ± 2.83 |" in rows[1]  # ptb: 60 and 64
+    assert "missing" not in out
+    assert "PPL = perplexity on ptb" in out
+    assert "Left out (not in every run): wiki_proxy (2 of 3 runs)." in out
 
 
 def test_ppl_datasets_option_and_partial(tmp_path, capsys):
@@ -376,7 +394,7 @@ def test_task_the_method_cannot_run_is_na_not_missing(tmp_path, capsys):
     record["unsupported_tasks"] = {"ppl": "snapkv compresses a prefilled context; use track B"}
     path.write_text(json.dumps(record))
     write_run(root, "h2o", method="h2o", zeroshot=0.5, longbench=10.0)  # PPL simply not run
-    code, out, _ = run_cli(["main-table", root], capsys)
+    code, out, _ = run_cli(["main-table", root, "--ppl-datasets", "wikitext2,ptb,c4"], capsys)
     assert code == 0
     snap = next(line for line in out.splitlines() if "SnapKV" in line)
     h2o = next(line for line in out.splitlines() if "H2O" in line)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from methods.base import ModelShape, Unsupported
+from methods.base import ModelShape, Regime, Unsupported
 from methods.h2o import H2O, H2OLayerState
 
 
@@ -205,7 +205,7 @@ def test_measured_bpd_matches_formula(count_indices):
     q, k, v = make_qkv(1, 2, 2, t, d, seed=70)
     per = 16 + 16 / d * (2 if count_indices else 1)
     for target in (0.5, 1.0, 2.0, 4.0):
-        m = H2O(count_indices=count_indices)
+        m = H2O(count_indices=count_indices, budget="nominal")
         m.configure(ModelShape(2, 4, 2, d), target, None)
         assert m.nominal_bpd(t) == pytest.approx((target, target))
         assert m.knobs()["rho"] == pytest.approx(target / per)
@@ -215,7 +215,7 @@ def test_measured_bpd_matches_formula(count_indices):
         assert mk == mv
         assert abs(mk - target) <= per / t + 1e-12  # rounding of C_h and C_r: one token at most
     # Q-all: C_{T-1} = ceil(ρT) kept at the end
-    m = H2O(count_indices=count_indices)
+    m = H2O(count_indices=count_indices, budget="nominal")
     m.configure(ModelShape(2, 4, 2, d), 1.0, 1.0)
     state = m.new_layer_state(0)
     state.attend(q, k, v, scaling=d**-0.5, prefill=False)
@@ -225,12 +225,12 @@ def test_measured_bpd_matches_formula(count_indices):
 
 def test_configure_defaults_and_ratio_options():
     shape = ModelShape(2, 4, 2, 128)
-    m = H2O()
+    m = H2O(budget="nominal")
     m.configure(shape, None, None)
     assert (m.knobs()["heavy_ratio"], m.knobs()["recent_ratio"]) == (0.1, 0.1)
     m.configure(shape, 1.0, None)
     assert m.knobs()["rho"] == pytest.approx(1.0 / 16.125)  # §6.4 at d = 128
-    m = H2O(recent_ratio=0.02)
+    m = H2O(recent_ratio=0.02, budget="nominal")
     m.configure(shape, 1.0, None)
     assert m.knobs()["heavy_ratio"] == pytest.approx(1.0 / 16.125 - 0.02)
     assert H2O.name == "h2o" and H2O.supports_in_pass
@@ -266,3 +266,35 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="query heads"):
         H2OLayerState(0.1, 0.1).attend(q[:, :3], k, v, scaling=0.25, prefill=False)
     assert H2OLayerState(0.1, 0.1).stored_bits() == (0, 0)
+
+
+@pytest.mark.parametrize("target", [1.0, 2.0, 4.0])
+def test_measured_budget_holds_the_target_over_query_positions(target):
+    """Default budget='measured': in Q-all ρ is fitted so that what the queries read, averaged
+    over positions (METHODS.md §0 v2, min_budget floor and the query itself included), is the
+    target; in a prefill regime the end of prefill is, so ρ keeps the §6.4 formula."""
+    t, d = 1024, 64
+    q, k, v = make_qkv(1, 2, 2, t, d, seed=71)
+    per = 16 + 16 / d
+    m = H2O()
+    m.set_regime(Regime("qall", t))
+    m.configure(ModelShape(2, 4, 2, d), target, None)
+    state = m.new_layer_state(0)
+    with torch.no_grad():
+        state.attend(q, k, v, scaling=d**-0.5, prefill=False)
+    bits_k, bits_v = state.read_bits()
+    mean = float((bits_k / (torch.arange(1, t + 1, dtype=torch.float64) * 2 * d)).mean())
+    assert mean == pytest.approx(m.knobs()["predicted_qall_bpd"], abs=1e-12)
+    assert mean == pytest.approx(target, rel=0.02) and mean <= target + 1e-12
+    assert m.knobs()["rho"] < target / per  # the floor and the query itself are paid for
+    m = H2O()
+    m.set_regime(Regime("prefill", t, 32))
+    m.configure(ModelShape(2, 4, 2, d), target, None)
+    assert m.knobs()["rho"] == pytest.approx(target / per)
+
+
+def test_measured_budget_below_the_floor_is_unsupported():
+    m = H2O()
+    m.set_regime(Regime("qall", 64))
+    with pytest.raises(Unsupported, match="min_budget=8"):
+        m.configure(ModelShape(2, 4, 2, 64), 0.5, None)

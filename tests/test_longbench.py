@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from kvbench.evals import longbench as lb
-from kvbench.evals.longbench_prompts import DATASET2MAXLEN, DATASET2PROMPT, ENGLISH_F1
+from kvbench.evals.f1 import zh_tokens
+from kvbench.evals.longbench_prompts import (
+    ALL_F1,
+    CHINESE_F1,
+    DATASET2MAXLEN,
+    DATASET2PROMPT,
+    ENGLISH_F1,
+)
 
 LONGBENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "longbench"
 
@@ -45,12 +52,19 @@ def test_english_f1_subsets_and_lengths():
     assert ENGLISH_F1 == (
         "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"
     )
+    assert CHINESE_F1 == ("multifieldqa_zh",) and ALL_F1 == ENGLISH_F1 + CHINESE_F1
     assert DATASET2MAXLEN == {
         "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64,
-        "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "triviaqa": 32,
+        "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "triviaqa": 32, "multifieldqa_zh": 64,
     }
-    for name in ENGLISH_F1:
+    for name in ALL_F1:
         assert "{context}" in DATASET2PROMPT[name] and "{input}" in DATASET2PROMPT[name]
+    # dataset2prompt.json's multifieldqa_zh template, character for character
+    assert DATASET2PROMPT["multifieldqa_zh"] == (
+        "阅读以下文字并用中文简短回答：\n\n{context}\n\n"
+        "现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n"
+        "问题：{input}\n回答："
+    )
 
 
 # -------------------------------------------------------------------------- truncation
@@ -96,7 +110,9 @@ def test_loader_reads_official_jsonl(data_dir):
             "input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"
         ]
         assert first["dataset"] == name and isinstance(first["answers"], list)
-    assert len(lb.load_longbench("qasper", data_dir, limit=1)) == 1
+    # `limit` items are the first lines of the file: no seed, the same for every method and job
+    first_line = (data_dir / "qasper.jsonl").read_text(encoding="utf-8").splitlines()[0]
+    assert lb.load_longbench("qasper", data_dir, limit=1) == [json.loads(first_line)]
 
 
 def test_loader_accepts_the_zip_layout(tmp_path, data_dir):
@@ -153,6 +169,26 @@ def test_dataset_score_rounds_like_eval_py():
     assert lb.dataset_score([1 / 3]) == 33.33
 
 
+def test_multifieldqa_zh_is_scored_with_jieba_f1():
+    pytest.importorskip("jieba")
+    # [我, 爱, 北京, 天安门] vs [北京, 天安门]: F1 = 2/3 (the English scorer would give 0)
+    assert lb.score_item("multifieldqa_zh", "我爱北京天安门", ["北京天安门"]) == pytest.approx(2 / 3)
+    assert lb.score_item("multifieldqa_en", "我爱北京天安门", ["北京天安门"]) == 0.0
+
+
+def test_seven_set_mean_and_eight_set_mean():
+    seven = {name: 10.0 * (i + 1) for i, name in enumerate(ENGLISH_F1)}  # 10 .. 70: mean 40
+    means = lb.summary_means(seven)
+    assert means == {"avg": 40.0, "avg_sets": list(ENGLISH_F1)}  # no avg8 without the zh set
+    eight = lb.summary_means({**seven, "multifieldqa_zh": 80.0})
+    assert eight["avg"] == 40.0  # LongBench F1 stays the English mean
+    assert eight["avg8"] == 45.0 and eight["avg8_sets"] == list(ALL_F1)  # (10 + ... + 80) / 8
+    part = lb.summary_means({"qasper": 33.33, "triviaqa": 12.5, "multifieldqa_zh": 1.0})
+    assert part["avg"] == round((33.33 + 12.5) / 2, 2)
+    assert part["avg_sets"] == ["qasper", "triviaqa"]
+    assert part["avg8"] == round((33.33 + 12.5 + 1.0) / 3, 2)
+
+
 # -------------------------------------------------------------------------- evaluation
 
 
@@ -179,6 +215,38 @@ def test_evaluate_longbench_pipeline(data_dir, tokenizer):
     assert lm.calls[0][2] == (tokenizer.eos_token_id,)
     rec = out["records"]["qasper"][0]
     assert set(rec) >= {"prediction", "answers", "f1", "_id", "truncated"} and rec["f1"] == 1.0
+
+
+ZH_RECORD = {  # a hand-made record in LongBench's format (no multifieldqa_zh file ships here)
+    "input": "天安门在哪个城市？",
+    "context": "天安门位于北京市中心。它是中国的象征之一。",
+    "answers": ["北京"],
+    "length": 30,
+    "dataset": "multifieldqa_zh",
+    "language": "zh",
+    "all_classes": None,
+    "_id": "zh-0",
+}
+
+
+def test_evaluate_multifieldqa_zh_pipeline(tmp_path, tokenizer):
+    pytest.importorskip("jieba")
+    en = {**ZH_RECORD, "input": "Where is it?", "context": "It is in Beijing.",
+          "answers": ["Beijing"], "dataset": "qasper", "language": "en", "_id": "en-0"}
+    for name, rec in (("multifieldqa_zh", ZH_RECORD), ("qasper", en)):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(rec, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")
+    # zh: [在, 北京] vs [北京]: P = 1/2, R = 1, F1 = 2/3 -> 66.67; qasper: exact -> 100
+    lm = EchoLM(tokenizer, ["在北京", "Beijing"])
+    out = lb.evaluate_longbench(lm, ["multifieldqa_zh", "qasper"], tmp_path, None, 1024, True)
+    assert zh_tokens("在北京") == ["在", "北京"]
+    assert out["multifieldqa_zh"] == 66.67 and out["qasper"] == 100.0
+    assert out["avg"] == 100.0 and out["avg_sets"] == ["qasper"]  # LongBench F1: English only
+    assert out["avg8"] == round((66.67 + 100.0) / 2, 2)
+    assert [c[1] for c in lm.calls] == [64, 128]  # dataset2maxlen: multifieldqa_zh 64
+    prompt = lb.build_prompt(ZH_RECORD, "multifieldqa_zh", tokenizer, 1024, chat=True)
+    assert prompt["chat"]  # not one of pred.py's no-chat sets
+    assert DATASET2PROMPT["multifieldqa_zh"].format(**ZH_RECORD) in prompt["text"]
 
 
 def test_unknown_subset_is_rejected():

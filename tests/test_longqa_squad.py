@@ -55,12 +55,68 @@ def test_distractors_come_from_other_articles(tokenizer, pool):
     assert not any(p in it["prompt"] for p in same_article)
 
 
+class SilentLM:
+    """A CompressedLM stand-in that answers nothing: enough to see which items a job scores."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.model, self.prompts = tokenizer, None, []
+
+    def generate(self, input_ids, max_new_tokens, stop_ids=()):
+        self.prompts.append(input_ids.shape[1])
+        return []
+
+
+def _job_config(seed: int, item_seed=None):
+    from omegaconf import OmegaConf
+
+    longbench = {"datasets": ["longqa_squad"], "limit": 2, "max_length": 31500, "data_dir": None}
+    if item_seed is not None:
+        longbench["item_seed"] = item_seed
+    return OmegaConf.create(
+        {"seed": seed, "limit": None, "model": {"chat": True}, "task": {"longbench": longbench}}
+    )
+
+
+def _job_items(tokenizer, seed: int, item_seed=None) -> dict:
+    from kvbench.job import run_longbench
+
+    result = {"metrics": {}, "counts": {}, "predictions": {}}
+    run_longbench(_job_config(seed, item_seed), SilentLM(tokenizer), result)
+    return result
+
+
+def test_job_seeds_score_the_same_questions(tokenizer, pool):
+    """Issue 11 item 6: the items come from the task's item seed, never the job seed."""
+    runs = {seed: _job_items(tokenizer, seed) for seed in (0, 1)}
+    ids = {s: [r["id"] for r in run["predictions"]["longqa_squad"]] for s, run in runs.items()}
+    assert len(ids[0]) == 2 and ids[0] == ids[1]
+    for run in runs.values():
+        metrics = run["metrics"]["longqa_squad"]
+        assert metrics["item_seed"] == 0 and metrics["item_ids"] == ids[0]
+        assert run["counts"]["longqa_squad_items"] == 2
+    # the default item seed is 0, and the items are exactly build_items(seed=0)
+    assert ids[0] == [it["id"] for it in lq.build_items(tokenizer, 2, seed=0, pool=pool)]
+    other = _job_items(tokenizer, 0, item_seed=5)["metrics"]["longqa_squad"]
+    assert other["item_seed"] == 5 and other["item_ids"] != ids[0]
+
+
+def test_task_configs_fix_the_item_seed():
+    from omegaconf import OmegaConf
+
+    from conftest import REPO
+
+    for name in ("embedded", "paper"):
+        cfg = OmegaConf.load(REPO / "conf" / "task" / f"{name}.yaml")
+        assert cfg.task.longbench.item_seed == 0
+
+
 @pytest.mark.slow
 def test_evaluate_smollm2(smollm2):
     from kvbench.compressed_lm import CompressedLM
 
     lm = CompressedLM(smollm2.model, smollm2.tokenizer)
-    out = lq.evaluate_longqa_squad(lm, n_items=1, seed=0, target_tokens=(500, 600))
+    out = lq.evaluate_longqa_squad(lm, n_items=1, item_seed=0, target_tokens=(500, 600))
     assert out["n"] == 1 and out["chat"] is True and 0.0 <= out["f1"] <= 100.0
     rec = out["records"][0]
     assert isinstance(rec["prediction"], str) and rec["answers"]
+    assert out["item_seed"] == 0 and out["item_ids"] == [rec["id"]]

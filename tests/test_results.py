@@ -43,3 +43,18 @@ def test_read_result_of_garbage_is_none(tmp_path):
     bad.write_text('{"status": ')
     assert read_result(bad) is None
     assert read_result(tmp_path / "absent.json") is None
+
+
+def test_result_file_is_readable_by_the_group(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o077)  # the strictest umask a cluster account may have: mode is set, not masked
+    try:
+        path = write_atomic(tmp_path / "result.json", {"status": "ok"})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # tempfile alone leaves 0600
+        write_atomic(path, {"status": "ok", "n": 2})  # a rewrite too (the rename: a new inode)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    finally:
+        os.umask(old)
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]

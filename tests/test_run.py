@@ -94,3 +94,46 @@ def test_finished_job_is_skipped_unless_rerun(tmp_path, tiny_checkpoint):
 def test_unknown_method_option_names_the_valid_ones(tmp_path, tiny_checkpoint):
     r = _job(tmp_path, tiny_checkpoint, "method=h2o", "+method.heavy=0.1")
     assert r["status"] == "failed" and "valid options" in r["error"]
+
+
+def test_fp16_is_the_baseline_whatever_bpd_says(tmp_path, tiny_checkpoint):
+    r = _job(tmp_path, tiny_checkpoint, "method=fp16")  # the default bpd=1.0 does not apply
+    assert r["status"] == "ok", r["error"]
+    b = r["bpd"]
+    assert (b["target_k"], b["target_v"], b["measured_k"], b["measured_v"]) == (16.0, 16.0, 16.0, 16.0)
+    assert b["by_task"]["ppl"]["end_k"] == 16.0 and b["from_task"] == "ppl"
+
+
+def test_result_reports_the_convention_and_the_end_of_sequence_figure(tmp_path, tiny_checkpoint):
+    r = _job(tmp_path, tiny_checkpoint, "method=kivi", "bpd=3", "method.residual=32")
+    assert r["status"] == "ok", r["error"]
+    b = r["bpd"]
+    assert b["convention"].startswith("Q-all") and b["from_task"] == "ppl"
+    # the residual window is paid for over positions: more than the end-of-window figure
+    assert b["measured_k"] > b["end_k"] and b["end_k"] == b["by_task"]["ppl"]["end_k"]
+
+
+def test_auto_kv_split_is_chosen_on_heldout_calibration_windows(tmp_path, tiny_checkpoint, monkeypatch):
+    """METHODS.md §5.8: bpd=β v_bpd=auto tries b_V in 2..8 with bpd_K = 2β - b_V, by held-out
+    calibration PPL, and caches the choice."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    r = _job(tmp_path / "a", tiny_checkpoint, "method=cobra_kl", "bpd=2.5", "v_bpd=auto")
+    assert r["status"] == "ok", r["error"]
+    split, b = r["kv_split"], r["bpd"]
+    assert [c["v_bpd"] for c in split["candidates"]] == [2, 3, 4]  # bpd_K = 3, 2, 1
+    best = min((c for c in split["candidates"]), key=lambda c: c["ppl"])
+    assert (split["bpd_k"], split["v_bpd"]) == (best["bpd_k"], best["v_bpd"])
+    assert b["target_kv"] == 2.5 and (b["target_k"] + b["target_v"]) / 2 == 2.5
+    assert b["measured_k"] == pytest.approx(b["target_k"]) and b["measured_v"] == pytest.approx(b["target_v"])
+    again = _job(tmp_path / "b", tiny_checkpoint, "method=cobra_kl", "bpd=2.5", "v_bpd=auto")
+    assert again["kv_split"]["cache_hit"] is True and again["kv_split"]["v_bpd"] == split["v_bpd"]
+
+
+def test_heldout_windows_avoid_the_calibration_windows():
+    from kvbench.data.windows import heldout_windows, random_starts
+
+    ids = torch.arange(5000)
+    avoid = random_starts(ids.numel(), 4, 100, seed=0)
+    held = heldout_windows(ids, 8, 100, seed=1, avoid=avoid)
+    for w in held:
+        assert all(abs(int(w[0]) - a) >= 100 for a in avoid)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 
 import pytest
+import torch
 
 from kvbench.evals import zeroshot as zs
 from kvbench.evals.lm_eval_tasks import LOCAL_TASKS, local_task_config, write_local_tasks
@@ -133,3 +135,85 @@ def test_matches_stock_lm_eval_on_piqa(smollm2):
     assert ours["acc_norm"]["piqa"] == ref["acc_norm,none"]
     assert ours["piqa"] == ref["acc_norm,none"] and ours["counts"]["piqa"] == 10
     assert ours["split"]["piqa"] == "validation"
+
+
+# ------------------------------------------------------------------ precision and items
+
+
+def _requests(n_context, n_cont, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for n in n_context:
+        ids = torch.randint(2, 128, (n + n_cont,), generator=g).tolist()
+        reqs.append((None, ids[:n], ids[n:]))
+    return reqs
+
+
+def _float32_reference(model, reqs, dtype=torch.float32):
+    """Sum of the continuation's log-probs, log-softmax in ``dtype`` over the model's own logits."""
+    out = []
+    with torch.no_grad():
+        for _, ctx, cont in reqs:
+            logits = model(input_ids=torch.tensor([ctx + cont]), use_cache=False).logits[0]
+            logprobs = torch.log_softmax(logits.to(dtype), -1)
+            rows = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)
+            out.append(float(logprobs[rows, torch.tensor(cont)].sum()))
+    return out
+
+
+def test_lm_eval_log_softmax_is_float32_on_a_bf16_model(monkeypatch):
+    """Issue 11 item 7: lm-eval's default ``softmax_dtype=None`` would run the log-softmax in bf16,
+    while ``CompressedLM.score`` runs it in float32; both must be float32."""
+    from conftest import tiny_llama, tiny_tokenizer
+    from kvbench.compressed_lm import CompressedLM
+
+    model = tiny_llama().to(torch.bfloat16)
+    lm = CompressedLM(model, tiny_tokenizer())
+    reqs = _requests([5, 9, 17], 3)
+    with zs.quiet_lm_eval():
+        hflm = zs.compressed_hflm(lm)
+        got = [ll for ll, _ in hflm._loglikelihood_tokens(reqs, disable_tqdm=True)]
+        monkeypatch.setattr(zs, "SOFTMAX_DTYPE", None)  # lm-eval's default, for contrast
+        stock_hflm = zs.compressed_hflm(lm)
+        stock = [ll for ll, _ in stock_hflm._loglikelihood_tokens(reqs, disable_tqdm=True)]
+    assert hflm.softmax_dtype == torch.float32
+    ref = _float32_reference(model, reqs)
+    assert got == pytest.approx(ref, abs=1e-6, rel=0)
+    # the test can fail: bf16 log-softmax is ~1e-2 off on these logits
+    assert max(abs(a - b) for a, b in zip(stock, ref)) > 1e-3
+
+
+@needs_olmo
+def test_zero_shot_items_do_not_depend_on_the_seed(monkeypatch):
+    """lm-eval's ``limit`` takes the first docs of the split in order; the job seed only seeds
+    lm-eval's RNGs (few-shot sampling, unused at 0-shot): every seed scores the same items."""
+    from conftest import tiny_llama, tiny_tokenizer
+    from kvbench.compressed_lm import CompressedLM
+
+    lm = CompressedLM(tiny_llama(), tiny_tokenizer())
+    real = zs.compressed_hflm
+    seen: dict[int, list] = {}
+
+    def spying(clm, max_length=None):
+        model = real(clm, max_length)
+        inner = model.loglikelihood
+
+        def loglikelihood(requests, **kw):
+            seen[current].extend(r.args for r in requests)
+            return inner(requests, **kw)
+
+        model.loglikelihood = loglikelihood
+        return model
+
+    monkeypatch.setattr(zs, "compressed_hflm", spying)
+    for current in (0, 1):
+        seen[current] = []
+        zs.evaluate_zeroshot(lm, ["piqa"], limit=3, seed=current, offline=True)
+    assert seen[0] == seen[1] and len(seen[0]) == 6  # 3 questions x 2 choices
+    from lm_eval.tasks import TaskManager
+
+    with zs.quiet_lm_eval(), tempfile.TemporaryDirectory() as tmp:
+        write_local_tasks(["piqa"], tmp)
+        task = TaskManager(include_path=tmp, include_defaults=False).load(["piqa"])["tasks"]["piqa"]
+        first = [task.doc_to_text(d) for d in list(task.eval_docs)[:3]]
+    assert sorted({ctx for ctx, _ in seen[0]}) == sorted(first)  # the first three, any seed

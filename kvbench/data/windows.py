@@ -46,12 +46,32 @@ def nonoverlapping_windows(ids: torch.Tensor, seqlen: int, limit: int | None = N
     return ids[: n * seqlen].view(n, seqlen)
 
 
+def random_starts(n_tokens: int, n: int, seqlen: int, seed: int) -> list[int]:
+    """The offsets of :func:`random_windows` (GPTQ: ``random.seed(seed)``, ``randint`` each)."""
+    if n_tokens <= seqlen:
+        raise ValueError(f"corpus of {n_tokens} tokens is too short for windows of {seqlen}")
+    rng = random.Random(seed)
+    return [rng.randint(0, n_tokens - seqlen - 1) for _ in range(n)]
+
+
 def random_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int) -> torch.Tensor:
     """GPTQ ``get_wikitext2`` calibration: ``n`` windows at random offsets, ``random.seed(seed)``."""
-    if ids.numel() <= seqlen:
-        raise ValueError(f"corpus of {ids.numel()} tokens is too short for windows of {seqlen}")
+    return torch.stack([ids[s : s + seqlen] for s in random_starts(ids.numel(), n, seqlen, seed)])
+
+
+def heldout_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int, avoid: list[int]) -> torch.Tensor:
+    """``n`` windows at random offsets (``random.seed(seed)``) that overlap none of the windows of
+    length ``seqlen`` starting at ``avoid`` (held-out windows of the calibration corpus)."""
     rng = random.Random(seed)
-    starts = [rng.randint(0, ids.numel() - seqlen - 1) for _ in range(n)]
+    starts: list[int] = []
+    for _ in range(1000 * n):
+        if len(starts) == n:
+            break
+        s = rng.randint(0, ids.numel() - seqlen - 1)
+        if all(abs(s - a) >= seqlen for a in avoid + starts):
+            starts.append(s)
+    if len(starts) < n:
+        raise ValueError(f"corpus too short for {n} held-out windows of {seqlen} beside {len(avoid)} others")
     return torch.stack([ids[s : s + seqlen] for s in starts])
 
 

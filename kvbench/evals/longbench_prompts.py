@@ -1,4 +1,7 @@
-"""LongBench v1 prompt templates and generation lengths for the seven English F1 subsets.
+"""LongBench v1 prompt templates and generation lengths for the eight F1 subsets.
+
+The seven English subsets scored with ``qa_f1_score`` and ``multifieldqa_zh`` scored with
+``qa_f1_zh_score`` (METHODS.md §9.3).
 
 Copied verbatim from THUDM/LongBench ``config/dataset2prompt.json`` and
 ``config/dataset2maxlen.json`` (METHODS.md §9.3), as released with LongBench v1 and as used by
@@ -48,6 +51,10 @@ DATASET2PROMPT: dict[str, str] = {
         "Answer the question based on the given passage. Only give me the answer and do not "
         "output any other words. The following are some examples.\n\n{context}\n\n{input}"
     ),
+    "multifieldqa_zh": (
+        "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，"
+        "只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答："
+    ),
 }
 
 DATASET2MAXLEN: dict[str, int] = {
@@ -58,12 +65,16 @@ DATASET2MAXLEN: dict[str, int] = {
     "2wikimqa": 32,
     "musique": 32,
     "triviaqa": 32,
+    "multifieldqa_zh": 64,
 }
 
 #: the seven English subsets scored with qa_f1_score: "LongBench F1" is their mean
 ENGLISH_F1 = (
     "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"
 )
+#: the Chinese F1 subset (``qa_f1_zh_score``); with ENGLISH_F1 it makes the "8-set mean"
+CHINESE_F1 = ("multifieldqa_zh",)
+ALL_F1 = ENGLISH_F1 + CHINESE_F1
 #: pred.py: chat models are better off without the chat template on these (few-shot / code) sets
 NO_CHAT = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 #: eval.py: only the first line of the prediction is scored on these

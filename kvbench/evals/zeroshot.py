@@ -10,6 +10,10 @@ compression), on a model wrapped in a :class:`CompressedLM`:
   ``CompressedLM.score``: prefill the context exactly, compress, then score the continuation
   through the compressed cache.
 
+Precision: every request's log-softmax runs in float32 (lm-eval's ``softmax_dtype=float32``), as
+``CompressedLM.score`` and the perplexity path do; lm-eval's default (``None``) would run it in the
+model's dtype (bf16 on GPU), a systematic difference between in-pass methods and SnapKV.
+
 Tasks: piqa, arc_easy, arc_challenge, hellaswag, winogrande (+ boolq, openbookqa on request). Both
 acc and acc_norm are kept; the headline metric is acc_norm for PIQA/ARC/HellaSwag/OpenBookQA and
 acc for WinoGrande/BoolQ, and ``avg`` is the mean of the headline metrics. Values are lm-eval's
@@ -46,6 +50,8 @@ HEADLINE = {
     "boolq": "acc",
 }
 HUB_HOST = ("huggingface.co", 443)
+#: the dtype of every log-softmax over the vocabulary (METHODS.md §9.2 scoring; see the docstring)
+SOFTMAX_DTYPE = torch.float32
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -115,7 +121,7 @@ def compressed_hflm(lm, max_length: int | None = None):
     from lm_eval.models.huggingface import HFLM
 
     class CompressedHFLM(HFLM):
-        """HFLM built from a loaded model (``pretrained=model``, batch 1).
+        """HFLM built from a loaded model (``pretrained=model``, batch 1, float32 log-softmax).
 
         ``_model_call`` → ``CompressedLM.logits`` (in-pass); when the method has no in-pass
         simulation, ``_loglikelihood_tokens`` scores each request through ``CompressedLM.score``.
@@ -123,7 +129,8 @@ def compressed_hflm(lm, max_length: int | None = None):
 
         def __init__(self, clm, max_length=None):
             super().__init__(
-                pretrained=clm.model, tokenizer=clm.tokenizer, batch_size=1, max_length=max_length
+                pretrained=clm.model, tokenizer=clm.tokenizer, batch_size=1, max_length=max_length,
+                softmax_dtype=SOFTMAX_DTYPE,
             )
             self.clm = clm
 

@@ -37,12 +37,21 @@ class Sizes:
     calib_windows: int  # §5 (and the statistics of §1): windows per calibration pass
     calib_seqlen: int
     calib_reps: int  # §5: paired repetitions after one warm-up
+    ops_tokens: int = 2048  # opcount: prefill / one-pass length
+    ops_decode_steps: int = 32  # opcount: profiled one-token steps after the prefill
+    zs_requests: int = 100  # zeroshot: lm-eval requests timed
+    zs_reps: int = 3  # zeroshot: paired repetitions after one warm-up
+    e2e_lengths: tuple = (4096, 8192, 16384, 32768)  # e2e: prompt lengths
+    e2e_new_tokens: int = 64  # e2e: greedy tokens generated after each prompt
+    e2e_layers_cpu: int | None = None  # e2e: llama3_8b_random layers on a CPU (None: all 32)
 
 
 PRESETS = {
     "full": Sizes("full", 2048, 1, 3, 21, 32768, 2048, 3, 8192, 2, 1024, 3),
-    "quick": Sizes("quick", 512, 1, 5, 9, 8192, 1024, 3, 2048, 1, 512, 2),
-    "smoke": Sizes("smoke", 48, 1, 1, 2, 256, 128, 1, 96, 2, 32, 1),
+    "quick": Sizes("quick", 512, 1, 5, 9, 8192, 1024, 3, 2048, 1, 512, 2, zs_reps=2,
+                   e2e_lengths=(4096, 8192), e2e_new_tokens=16, e2e_layers_cpu=2),
+    "smoke": Sizes("smoke", 48, 1, 1, 2, 256, 128, 1, 96, 2, 32, 1, ops_tokens=64, ops_decode_steps=4,
+                   zs_requests=6, zs_reps=1, e2e_lengths=(64,), e2e_new_tokens=4, e2e_layers_cpu=1),
 }
 
 # ---- the methods and budgets benchmarked --------------------------------------------------------
@@ -91,12 +100,16 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
 
 # ---- rows and verdicts ----------------------------------------------------------------------------
 
-_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b,
+        "finite": lambda a, b: True}  # "finite": PASS unless the value is NaN or infinite
+#: ``op`` of a row without a target: verdict INFO
+INFO = "info"
 
 
 @dataclass
 class Row:
-    """One line of the table: a number, its target and the verdict."""
+    """One line of the table: a number, its target and the verdict (``op="info"``: no target,
+    verdict INFO; a non-finite value of a targeted row is a MISS)."""
 
     section: str
     name: str
@@ -113,7 +126,9 @@ class Row:
     def __post_init__(self):
         value = float(self.value)
         self.value = value
-        if not math.isfinite(value):
+        if self.op == INFO:
+            self.verdict = "INFO"
+        elif not math.isfinite(value):
             self.verdict = "MISS"
         else:
             self.verdict = "PASS" if _OPS[self.op](value, self.target) else "MISS"
@@ -122,6 +137,10 @@ class Row:
 
     @property
     def target_text(self) -> str:
+        if self.op == INFO:
+            return "-"
+        if self.op == "finite":
+            return "finite"
         unit = "" if self.unit in ("x",) else self.unit
         suffix = "x" if self.unit == "x" else unit
         return f"{self.op} {self.target:g}{suffix}"
@@ -261,7 +280,7 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0) -
 
 
 def load_bench_model(name: str, device: str, layers: int | None = None) -> BenchModel:
-    from .models import load_model, resolve_device, resolve_dtype
+    from ..models import load_model, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     dtype = resolve_dtype("auto", dev)
@@ -285,7 +304,7 @@ def load_bench_model(name: str, device: str, layers: int | None = None) -> Bench
 def eval_windows(bm: BenchModel, seqlen: int, n: int) -> torch.Tensor:
     """[n, seqlen] evaluation windows: PTB test for a real tokenizer, random ids otherwise."""
     if bm.tokenizer is not None:
-        from .data.windows import ppl_windows
+        from ..data.windows import ppl_windows
 
         return ppl_windows(bm.tokenizer, "ptb", seqlen, n)
     g = torch.Generator().manual_seed(1234)
@@ -295,7 +314,7 @@ def eval_windows(bm: BenchModel, seqlen: int, n: int) -> torch.Tensor:
 def calib_windows(bm: BenchModel, seqlen: int, n: int, seed: int = 0) -> torch.Tensor:
     """[n, seqlen] calibration windows: PTB train at GPTQ-style random offsets, or random ids."""
     if bm.tokenizer is not None:
-        from .calibrate import CalibrationSpec, calibration_windows
+        from ..calibrate import CalibrationSpec, calibration_windows
 
         spec = CalibrationSpec(dataset="ptb", split="train", n_windows=n, seqlen=seqlen, seed=seed)
         return calibration_windows(bm.tokenizer, spec)

@@ -1,19 +1,28 @@
 """``python -m kvbench.bench``: what compression costs the harness, the allocator and the codecs.
 
-Five sections, measured in one process as ratios against a baseline timed beside them (issue 7):
+Sections, measured in one process as ratios against a baseline timed beside them (issues 7, 15);
+one module each in this package:
 
-1. **overhead** — PPL track A wall time per method / FP16's, same windows (:mod:`kvbench.bench_overhead`);
+1. **overhead** — PPL track A wall time per method / FP16's, same windows (:mod:`.overhead`);
    targets <= 1.15x (codecs), <= 2x (H2O).
-2. **allocation** — KV-COBRA C1 + C2 for 256 and 112 heads x d=128 (:mod:`kvbench.bench_alloc`); < 10 ms.
-3. **codecs** — key encode + decode throughput vs a plain copy (:mod:`kvbench.bench_codecs`); >= 25%.
-4. **memory** — bytes held after a prefill vs FP16, measured bpd vs ``nominal_bpd`` (:mod:`kvbench.bench_memory`); within 2%.
-5. **calibration** — calibration pass vs a plain forward pass per 1k tokens (:mod:`kvbench.bench_calib`); <= 1.3x.
+2. **allocation** — KV-COBRA C1 + C2 for 256 and 112 heads x d=128 (:mod:`.allocation`); < 10 ms.
+3. **codecs** — key encode + decode throughput vs a plain copy (:mod:`.codec_speed`); >= 25%.
+4. **memory** — bytes held after a prefill vs FP16, measured bpd vs ``nominal_bpd`` (:mod:`.memory`); within 2%.
+5. **calibration** — calibration pass vs a plain forward pass per 1k tokens (:mod:`.calibration`); <= 1.3x.
+6. **opcount** — aten ops per layer per decode step and per one-pass forward vs FP16's
+   (:mod:`.opcount`); codecs <= 3x, H2O's one-pass <= 20 ops per token per layer.
+7. **zeroshot** — 100 real lm-eval zero-shot requests through each method vs FP16 (:mod:`.shortseq`);
+   <= 1.15x (codecs), <= 2x (H2O).
+8. **e2e** — generation on ``llama3_8b_random`` at 4k-32k tokens vs plain transformers: prefill,
+   decode tokens/s, peak memory, stored/resident cache bytes (:mod:`.e2e`); peak <= 1.1x. Not in
+   the default set (minutes to hours): ask for it with ``--sections e2e``.
 
 Writes a JSON file (``--out``, default ``runs/bench/bench-<model>-<preset>-<time>.json``) and
-prints a table with the target and PASS/MISS of every row. ``--quick`` shortens everything (under 3
-minutes on a 2-core CPU); ``--smoke`` is for tests. ``--model llama3_8b_random`` builds a randomly
-initialized model of Llama-3.1-8B's shape (meant for a GPU; ``--layers N`` keeps N layers for a CPU
-smoke run).
+prints a table with the target and PASS/MISS (INFO: no target) of every row, then the e2e table
+when that section ran. ``--quick`` shortens everything; ``--smoke`` is for tests. ``--model
+llama3_8b_random`` builds a randomly initialized model of Llama-3.1-8B's shape (meant for a GPU;
+``--layers N`` keeps N layers for a CPU smoke run). The device check of issue 15 is
+:mod:`kvbench.bench.gpu_check` (``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -31,13 +40,17 @@ from pathlib import Path
 
 import torch
 
-from . import bench_alloc, bench_calib, bench_codecs, bench_memory, bench_overhead
-from .bench_common import PRESETS, Row, load_bench_model
+from . import allocation, calibration, codec_speed, e2e, memory, opcount, overhead, shortseq
+from .common import PRESETS, Row, load_bench_model
 
 log = logging.getLogger("kvbench.bench")
 
-SECTIONS = ("calibration", "overhead", "allocation", "codecs", "memory")
-ORDER = ("overhead", "allocation", "codecs", "memory", "calibration")  # as issue 7 numbers them
+#: the order they run in (calibration first: overhead and zeroshot use its statistics)
+SECTIONS = ("calibration", "overhead", "zeroshot", "allocation", "codecs", "memory", "opcount", "e2e")
+#: the order of the table (issue 7's numbering, then issue 15's)
+ORDER = ("overhead", "allocation", "codecs", "memory", "calibration", "opcount", "zeroshot", "e2e")
+DEFAULT = tuple(s for s in ORDER if s != "e2e")
+NEEDS_STATS = ("overhead", "zeroshot")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,12 +62,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--model", default="smollm2_135m", choices=("smollm2_135m", "llama3_8b_random", "tiny"),
                    help="tiny: the tests' 2-layer random Llama")
-    p.add_argument("--layers", type=int, default=None, help="llama3_8b_random only: keep this many layers (CPU smoke runs)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="llama3_8b_random (and the e2e section's model): keep this many layers (CPU runs)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for the run (default: torch's own choice)")
-    p.add_argument("--sections", default=",".join(ORDER),
-                   help=f"comma-separated subset of {','.join(ORDER)} (overhead needs calibration's statistics, run anyway)")
+    p.add_argument("--sections", default=",".join(DEFAULT),
+                   help=f"comma-separated subset of {','.join(ORDER)} (default: all but e2e; overhead and "
+                        "zeroshot need calibration's statistics, run anyway)")
+    e = p.add_argument_group("e2e section")
+    e.add_argument("--e2e-lengths", default=None,
+                   help="comma-separated prompt lengths (default: 4096,8192,16384,32768; --quick 4096,8192)")
+    e.add_argument("--e2e-methods", default=None,
+                   help=f"comma-separated subset of {','.join(c[0] for c in e2e.CASES)} (default: all)")
+    e.add_argument("--e2e-new-tokens", type=int, default=None, help="tokens generated per case (default 64; --quick 16)")
+    e.add_argument("--e2e-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                   help="dtype of the random 8B-shape model (default bfloat16, as on a GPU)")
     return p.parse_args(argv)
+
+
+def _csv(text: str | None, cast=str):
+    return None if not text else [cast(x.strip()) for x in text.split(",") if x.strip()]
 
 
 def _git_commit() -> str | None:
@@ -119,32 +146,41 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     rows: dict[str, list[Row]] = {}
     t0 = time.perf_counter()
     bm = None
-    if any(s in wanted for s in ("overhead", "memory", "calibration")):
+    if any(s in wanted for s in ("overhead", "memory", "calibration", "zeroshot")):
         bm = load_bench_model(args.model, args.device, args.layers)
     load_s = time.perf_counter() - t0
     device = bm.device if bm else torch.device(args.device)
     dtype = bm.dtype if bm else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     seconds = {"load": load_s}
     stats = None
-    plan = [s for s in SECTIONS if s in wanted or (s == "calibration" and "overhead" in wanted)]
+    e2e_model = None
+    plan = [s for s in SECTIONS if s in wanted or (s == "calibration" and any(n in wanted for n in NEEDS_STATS))]
     for section in plan:
         t0 = time.perf_counter()
         with torch.no_grad():
             if section == "calibration":
-                rows[section], stats = bench_calib.run(bm, sizes)
+                rows[section], stats = calibration.run(bm, sizes)
             elif section == "overhead":
-                rows[section] = bench_overhead.run(bm, sizes, stats)
+                rows[section] = overhead.run(bm, sizes, stats)
+            elif section == "zeroshot":
+                rows[section] = shortseq.run(bm, sizes, stats)
             elif section == "allocation":
-                rows[section] = bench_alloc.run(sizes)
+                rows[section] = allocation.run(sizes)
             elif section == "codecs":
-                rows[section] = bench_codecs.run(sizes, device, dtype)
+                rows[section] = codec_speed.run(sizes, device, dtype)
             elif section == "memory":
                 if stats is None:
-                    from .bench_common import calib_windows
-                    from .calibrate import collect_stats
+                    from ..calibrate import collect_stats
+                    from .common import calib_windows
 
                     stats = collect_stats(bm.model, calib_windows(bm, sizes.calib_seqlen, sizes.calib_windows))
-                rows[section] = bench_memory.run(bm, sizes, stats)
+                rows[section] = memory.run(bm, sizes, stats)
+            elif section == "opcount":
+                rows[section] = opcount.run(sizes, device)
+            elif section == "e2e":
+                e2e_model = e2e.e2e_model(sizes, args.device, args.layers, args.e2e_dtype, tiny=args.model == "tiny")
+                rows[section] = e2e.run(e2e_model, sizes, _csv(args.e2e_lengths, int), _csv(args.e2e_methods),
+                                        args.e2e_new_tokens)
         seconds[section] = time.perf_counter() - t0
         log.info("section %s done in %.1f s", section, seconds[section])
     ordered = [r for s in ORDER for r in rows.get(s, [])]
@@ -157,6 +193,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "model": {"name": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                   "layers": int(bm.model.config.num_hidden_layers) if bm else None,
                   "note": bm.note if bm else None},
+        "e2e_model": None if e2e_model is None else {
+            "name": e2e_model.name, "dtype": str(e2e_model.dtype).replace("torch.", ""),
+            "layers": int(e2e_model.model.config.num_hidden_layers), "note": e2e_model.note},
         "machine": machine(device),
         "load_avg": {"start": load_start, "end": _loadavg()},
         "seconds": {**seconds, "total": time.perf_counter() - t_start},
@@ -165,6 +204,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "rows": len(ordered),
             "pass": sum(r.verdict == "PASS" for r in ordered),
             "miss": sum(r.verdict == "MISS" for r in ordered),
+            "info": sum(r.verdict == "INFO" for r in ordered),
         },
         "table_markdown": markdown_table(ordered),
         "_rows": ordered,
@@ -193,8 +233,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"{report['model']['dtype']}), {report['date']}, load avg {report['load_avg']['start']} -> "
           f"{report['load_avg']['end']}, {report['seconds']['total']:.0f} s")
     print(format_table(rows))
+    e2e_rows = [r for r in rows if r.section == "e2e"]
+    if e2e_rows:
+        print("\ne2e (ratios to plain transformers at the same length):")
+        print(e2e.format_e2e(e2e_rows))
     s = report["summary"]
-    print(f"\n{s['pass']} PASS, {s['miss']} MISS of {s['rows']} rows; JSON: {out}")
+    print(f"\n{s['pass']} PASS, {s['miss']} MISS, {s['info']} INFO of {s['rows']} rows; JSON: {out}")
     return report
 
 

@@ -16,7 +16,7 @@ import torch
 
 from methods.cobra_alloc import c1_batch, c2_allocate, prefix_terms
 
-from .bench_common import Row, Sizes, decaying_spectra, median_time
+from .common import Row, Sizes, decaying_spectra, median_time
 
 log = logging.getLogger(__name__)
 

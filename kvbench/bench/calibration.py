@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from .bench_common import BenchModel, Row, Sizes, calib_windows, paired_ratio
-from .calibrate import collect_stats
+from .common import BenchModel, Row, Sizes, calib_windows, paired_ratio
+from ..calibrate import collect_stats
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ timed the way the cache calls it:
 * KIVI: ``quantize_groups`` + ``dequantize_groups`` along tokens with the configured (b, G) — the
   key path of its cache state, on post-RoPE keys.
 * SVDq: the cache state's attend-free encode path ``SVDqLayerState._encode`` (projection,
-  per-latent-group quantization, reconstruction and RoPE of complete token groups).
+  per-latent-group quantization, reconstruction and RoPE of complete token groups: the keys are
+  cut to a multiple of the state's token group G_t, which the budget chooses).
 * KQ-SVD, KV-COBRA: ``key_codec.decode(key_codec.encode(k_pre))`` of the layer's
   :class:`methods.codec_state.CodecLayerState` (projection, fixed-step quantization, bit packing,
   unpacking, reconstruction; the RoPE the state applies afterwards is not included).
@@ -34,7 +35,7 @@ from methods import ModelShape, Rope
 from methods.fp16 import Fp16
 from methods.groupquant import dequantize_groups, quantize_groups
 
-from .bench_common import Row, Sizes, make_method, median_time, rope_tables, synthetic_stats
+from .common import Row, Sizes, make_method, median_time, rope_tables, synthetic_stats
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ def codec_fn(label: str, method, x, cos, sin, q=None, v=None):
         return lambda: dequantize_groups(quantize_groups(x, knobs["bits"], knobs["group"], axis=2))
     if name == "svdq":
         state = method.new_layer_state(0)
-        return lambda: state._encode(x, cos, sin)
+        n = x.shape[2] // state.group * state.group  # the state encodes complete token groups only
+        xs, cs, ss = x[:, :, :n], cos[:, :n], sin[:, :n]
+        return lambda: state._encode(xs, cs, ss)
     if name in ATTEND:
         return attend_fn(method, x, cos, sin, q, v)
     codec = method.new_layer_state(0).key_codec

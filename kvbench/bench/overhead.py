@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import math
 
-from .bench_common import EVAL_CASES, BenchModel, Row, Sizes, budget_label, eval_windows, make_method, paired_ratio
-from .compressed_lm import CompressedLM
-from .integrate import attach, model_shape
-from .ppl import window_nll
+from .common import EVAL_CASES, BenchModel, Row, Sizes, budget_label, eval_windows, make_method, paired_ratio
+from ..compressed_lm import CompressedLM
+from ..integrate import attach, model_shape
+from ..ppl import window_nll
 
 log = logging.getLogger(__name__)
 

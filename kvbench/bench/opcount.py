@@ -1,0 +1,356 @@
+"""Op-count section of ``python -m kvbench.bench``: aten ops per layer, a proxy for GPU launch cost.
+
+On a GPU every eager aten op that computes launches (at least) one kernel, at ~5-10 us of host
+time each; a method whose attention runs ten times FP16's ops is launch-bound on short requests
+whatever its FLOPs (issue 15, items 1 and 6). Counting the ops is machine-independent, so it can be
+done, and gated, on a CPU.
+
+What is profiled, per method (``torch.profiler``, CPU activities, one thread):
+
+* **decode step** — an exact prefill of ``ops_tokens`` tokens (2048), then ``ops_decode_steps``
+  one-token steps (32, so that every flush cycle of a residual window or a token group of up to 32
+  is inside); the row is the mean over those steps. Methods: through a :class:`Compressor` session
+  (``forward(prefill=True)``, then ``forward(prefill=False)``, as ``CompressedLM.generate`` does);
+  FP16: the plain model with its own ``DynamicCache`` (``model(..., cache=...)``), as the harness
+  runs FP16.
+* **one-pass** — one teacher-forced (Q-all) forward of ``ops_tokens`` tokens, as perplexity track A
+  and zero-shot run it (``model(ids, use_cache=False)`` with the method attached; FP16: the plain
+  ``sdpa`` model). SnapKV has no one-pass form (METHODS.md §7.4) and gets no row.
+
+What is counted: the aten ops that run inside each decoder layer's ``self_attn.forward`` **except
+those inside its q/k/v/o projections** (the model's own matmuls, identical for every method), i.e.
+the RoPE the model applies, the cache update (FP16: ``DynamicCache.update``), the attention function
+and everything the method's layer state does, hooks included. The figure is per layer (the sum over
+layers / L).
+
+Decisions where METHODS.md is silent (it says nothing about performance):
+
+* What counts as a kernel (:func:`count_events`): an aten op in :data:`NO_KERNEL` (views,
+  reshapes that stay views, allocation, metadata queries) launches nothing and is reported beside,
+  as ``views`` (host time, not launches); an op in :data:`DELEGATING` (``to``, ``matmul``,
+  ``softmax``, ``reshape``, ``contiguous``, ``item``, ...) counts as the ops it calls, so
+  ``x.to(x.dtype)`` counts nothing, ``aten::to`` -> ``_to_copy`` -> ``copy_`` one copy and
+  ``aten::linear`` its ``mm``; any other aten op is **one** kernel, plus the layout copies it makes
+  inside (``_softmax`` of a non-contiguous tensor: 2), but not the other ops it calls (``mean``'s
+  ``sum`` and ``div_`` are one reduction on a GPU). A ``copy_`` from a 0-dim tensor (a Python scalar
+  wrapped for a CPU kernel) is not counted. Ops that make the host wait (:data:`SYNC_OPS`:
+  ``_local_scalar_dense`` from ``.item()``/``int(t)``/``bool(t)``, ``nonzero``, ...) are counted as
+  usual and also reported as ``syncs``. Host-to-device copies of Python values
+  (``torch.as_tensor(x, device=cuda)``) do not show on a CPU.
+* The CPU's kernels stand in for CUDA's: a few ops decompose differently on the two (an op here
+  and there, the same for every method); the hand count of FP16's layer (13 per decode step, 11
+  per one-pass forward: tests/test_bench.py) is what transformers' Llama layer calls on any device.
+* The model: Llama-3.1-8B's attention geometry (32 query / 8 KV heads, d = 128, llama3 RoPE) with a
+  narrow residual stream (hidden 512, vocabulary 256, 2 layers), random weights, float32: the
+  counted ops do not depend on the width, only on the attention geometry, and the 2048-token
+  passes take seconds. Calibrated methods get synthetic statistics of that geometry
+  (:func:`kvbench.bench.common.synthetic_stats`). The ``smoke`` preset uses the tests' tiny shape.
+* Budgets: those of the overhead section (codecs 2 bpd with 16-bit values, H2O and SnapKV 4 bpd on
+  K and V).
+
+Targets (issue 15, item 2): the codecs (KIVI, SVDq, KQ-SVD, KV-COBRA) at most 3x FP16's count, per
+decode step and per one-pass forward; H2O's one-pass recursion at most 20 ops per token per layer.
+Other rows are informational.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from methods import ModelShape
+
+from ..integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
+from .common import Row, Sizes, make_method, random_model, synthetic_stats, tiny_config
+
+log = logging.getLogger(__name__)
+
+#: aten ops that launch no kernel: views, allocation, dtype/layout no-ops, metadata
+NO_KERNEL = frozenset(
+    "aten::" + n for n in (
+        "view", "_unsafe_view", "_reshape_alias", "as_strided", "transpose", "t", "permute",
+        "expand", "expand_as", "unsqueeze", "squeeze", "slice", "select", "narrow", "split",
+        "split_with_sizes", "chunk", "unbind", "alias", "detach", "detach_", "view_as", "unflatten",
+        "diagonal", "movedim", "unfold", "lift_fresh", "lift", "empty", "empty_strided", "empty_like",
+        "new_empty", "new_empty_strided", "resize_", "result_type", "resolve_conj", "resolve_neg",
+        "size", "stride", "numel", "dim", "is_same_size", "_has_compatible_shallow_copy_type", "set_",
+        "_shape_as_tensor", "broadcast_tensors", "is_floating_point", "is_complex", "real", "conj",
+        "_conj", "_neg_view", "unsafe_split", "unsafe_chunk", "align_as", "tensor_split",
+    )
+)
+#: composite ops that only call other ops: they count as what they call (nothing, when they
+#: call nothing: ``x.to(x.dtype)``, ``x.contiguous()`` of a contiguous tensor, dropout in eval).
+#: One that calls an op of its own name (an ``out=`` overload) counts as a kernel op instead.
+DELEGATING = frozenset(
+    "aten::" + n for n in (
+        "to", "_to_copy", "contiguous", "clone", "reshape", "flatten", "type_as", "matmul", "linear",
+        "softmax", "log_softmax", "item", "is_nonzero", "einsum", "scaled_dot_product_attention", "dropout",
+    )
+)
+#: ops whose result size or value the host must wait for (a device->host sync on a GPU)
+SYNC_OPS = frozenset(
+    "aten::" + n for n in ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim")
+)
+ATTN, PROJ = "kvbench.opcount.attn", "kvbench.opcount.proj"
+CODECS = ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl")
+#: (label, registry name, bpd, v_bpd); None = the plain model (FP16 as the harness runs it)
+CASES = [
+    ("fp16", None, None, None),
+    ("fp16 (kvbench state)", "fp16", None, None),
+    ("kivi", "kivi", 2.0, None),
+    ("svdq", "svdq", 2.0, None),
+    ("kqsvd", "kqsvd", 2.0, None),
+    ("cobra_mse", "cobra_mse", 2.0, None),
+    ("cobra_kl", "cobra_kl", 2.0, None),
+    ("h2o", "h2o", 4.0, 4.0),
+    ("snapkv", "snapkv", 4.0, 4.0),
+]
+CODEC_RATIO = 3.0
+H2O_PER_TOKEN = 20.0
+
+
+def opcount_config(layers: int = 2):
+    """Llama-3.1-8B's attention geometry on a narrow random model (see the module docstring)."""
+    from .common import llama3_8b_config
+
+    cfg = llama3_8b_config(layers)
+    cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 512, 512, 256
+    return cfg
+
+
+@dataclass
+class OpCount:
+    """Counted ops of one profiled region, summed over the layers."""
+
+    kernels: int
+    views: int
+    syncs: int
+    by_name: Counter
+
+    def per(self, n: float) -> dict:
+        return {"kernels": self.kernels / n, "views": self.views / n, "syncs": self.syncs / n}
+
+
+def _is_aten(event) -> bool:
+    return event.name.startswith("aten::")
+
+
+def _host_scalar_copy(event) -> bool:
+    """A ``copy_`` from a 0-dim tensor: a Python scalar wrapped for a CPU kernel (no launch on a GPU)."""
+    shapes = getattr(event, "input_shapes", None) or []
+    return event.name == "aten::copy_" and len(shapes) >= 2 and list(shapes[1]) == []
+
+
+def count_events(events) -> OpCount:
+    """Kernel ops / views / syncs inside every :data:`ATTN` range, outside the :data:`PROJ` ranges
+    nested in it. The rule (module docstring): an aten op in :data:`NO_KERNEL` is a view (unless
+    ops it calls compute: ``reshape`` of a non-contiguous tensor copies); one in :data:`DELEGATING`
+    counts as the ops it calls; any other aten op is **one** kernel, plus the layout copies it
+    makes inside (``copy_`` of a non-scalar tensor: a GPU runs those as separate kernels too), and
+    nothing else it calls (``mean``'s ``sum`` and ``div_`` are one reduction). Ops of
+    :data:`SYNC_OPS` are counted as syncs wherever they occur."""
+    names: Counter = Counter()
+    totals = {"kernels": 0, "views": 0, "syncs": 0}
+
+    def kernel(e):
+        totals["kernels"] += 1
+        names[e.name] += 1
+
+    def syncs_below(e):
+        for c in e.cpu_children:
+            totals["syncs"] += c.name in SYNC_OPS
+            syncs_below(c)
+
+    def copies_below(e):
+        for c in e.cpu_children:
+            if c.name == "aten::copy_":
+                if not _host_scalar_copy(c):
+                    kernel(c)
+            else:
+                copies_below(c)
+
+    def walk(e):
+        for c in e.cpu_children:
+            if c.name == PROJ:
+                continue
+            if not _is_aten(c):
+                walk(c)
+                continue
+            totals["syncs"] += c.name in SYNC_OPS
+            delegates = c.name in DELEGATING and all(k.name != c.name for k in c.cpu_children)
+            if delegates or (c.name in NO_KERNEL and _computes_below(c)):
+                walk(c)
+            elif c.name in NO_KERNEL:
+                totals["views"] += 1
+            else:
+                kernel(c)
+                copies_below(c)
+                syncs_below(c)
+
+    for e in events:
+        if e.name == ATTN:
+            walk(e)
+    return OpCount(totals["kernels"], totals["views"], totals["syncs"], names)
+
+
+def _computes_below(e) -> bool:
+    """Whether a view-class op called an op that computes (``reshape`` -> ``clone`` -> ``copy_``)."""
+    for c in e.cpu_children:
+        if _is_aten(c) and c.name not in NO_KERNEL:
+            return True
+        if _computes_below(c):
+            return True
+    return False
+
+
+class _Ranges:
+    """record_function ranges around each layer's self_attn and its projections (module hooks)."""
+
+    def __init__(self, model):
+        self.handles, self.open = [], {}
+        for attn in attention_modules(model):
+            self._wrap(attn, ATTN)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                self._wrap(getattr(attn, name), PROJ)
+
+    def _wrap(self, module, label):
+        def enter(mod, args):
+            rf = torch.autograd.profiler.record_function(label)
+            rf.__enter__()
+            self.open.setdefault(id(mod), []).append(rf)
+
+        def leave(mod, args, out):
+            self.open[id(mod)].pop().__exit__(None, None, None)
+
+        self.handles.append(module.register_forward_pre_hook(enter))
+        self.handles.append(module.register_forward_hook(leave))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def profile_ops(model, fn) -> OpCount:
+    """Run ``fn()`` under the profiler with the layer ranges in place; count its ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ranges = _Ranges(model)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn()
+    finally:
+        ranges.remove()
+    return count_events(prof.events())
+
+
+@torch.no_grad()
+def plain_decode(model, prompt: torch.Tensor, nxt: torch.Tensor) -> OpCount:
+    """FP16 as the harness runs it: the unpatched model and its own cache; one-token steps of ``nxt``."""
+    name = cache_argument(model)
+    cache = returned_cache(model(input_ids=prompt, use_cache=True, logits_to_keep=1))
+
+    def go():
+        for i in range(nxt.shape[1]):
+            model(input_ids=nxt[:, i : i + 1], use_cache=True, logits_to_keep=1, **{name: cache})
+
+    return profile_ops(model, go)
+
+
+@torch.no_grad()
+def method_decode(model, method, prompt: torch.Tensor, nxt: torch.Tensor) -> OpCount:
+    """An exact prefill of ``prompt`` through a session, then one-token steps of ``nxt`` (profiled)."""
+    comp = attach(model, method)
+    try:
+        with comp.session():
+            comp.forward(prompt, 0, prefill=True)
+            t = prompt.shape[1]
+
+            def go():
+                for i in range(nxt.shape[1]):
+                    comp.forward(nxt[:, i : i + 1], t + i, prefill=False)
+
+            return profile_ops(model, go)
+    finally:
+        comp.detach()
+
+
+@torch.no_grad()
+def one_pass(model, method, ids: torch.Tensor) -> OpCount:
+    if method is None:
+        return profile_ops(model, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1))
+    comp = attach(model, method)
+    try:
+        return profile_ops(model, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1))
+    finally:
+        comp.detach()
+
+
+def _model_for(sizes: Sizes, device):
+    cfg = tiny_config() if sizes.name == "smoke" else opcount_config()
+    return random_model(cfg, device, torch.float32)
+
+
+def run(sizes: Sizes, device: torch.device) -> list[Row]:
+    model = _model_for(sizes, device)
+    shape: ModelShape = model_shape(model)
+    stats = synthetic_stats(shape)
+    t, steps, layers = sizes.ops_tokens, sizes.ops_decode_steps, shape.n_layers
+    g = torch.Generator().manual_seed(99)
+    ids = torch.randint(0, int(model.config.vocab_size), (1, t + steps), generator=g).to(device)
+    prompt, nxt = ids[:, :t], ids[:, t:]
+    counts: dict[tuple[str, str], OpCount] = {}
+    for label, name, bpd, v_bpd in CASES:
+        method = None if name is None else make_method(name, {}, shape, bpd, v_bpd, stats)
+        log.info("opcount: %s decode step (prefill %d, %d steps)", label, t, steps)
+        if method is None:
+            counts[label, "decode"] = plain_decode(model, prompt, nxt)
+        else:
+            counts[label, "decode"] = method_decode(model, method, prompt, nxt)
+        if method is None or method.supports_in_pass:
+            log.info("opcount: %s one-pass over %d tokens", label, t)
+            counts[label, "one-pass"] = one_pass(model, method, prompt)
+    return rows_from(counts, t, steps, layers, shape)
+
+
+def rows_from(counts: dict, t: int, steps: int, layers: int, shape: ModelShape) -> list[Row]:
+    """Rows per (method, regime): ops per layer (decode: per step too) against FP16's."""
+    rows = []
+    geometry = f"{shape.n_q_heads}/{shape.n_kv_heads} heads, d={shape.head_dim}"
+    for regime in ("decode", "one-pass"):
+        base = counts["fp16", regime]
+        n = layers * (steps if regime == "decode" else 1)
+        base_k = base.kernels / n
+        for label, name, bpd, v_bpd in CASES:
+            if (label, regime) not in counts:
+                continue
+            c = counts[label, regime]
+            per = c.per(n)
+            ratio = per["kernels"] / base_k
+            what = "per layer per step" if regime == "decode" else f"per layer per {t}-token pass"
+            note = (f"{per['kernels']:.1f} ops {what} vs fp16 {base_k:.1f}; views {per['views']:.1f}, "
+                    f"syncs {per['syncs']:.2f}")
+            detail = {
+                "method": name or "fp16", "plain_model": name is None, "regime": regime, "bpd": bpd,
+                "v_bpd": v_bpd, "tokens": t, "decode_steps": steps if regime == "decode" else None,
+                "layers": layers, "kernels_per_layer": per["kernels"], "views_per_layer": per["views"],
+                "syncs_per_layer": per["syncs"], "fp16_kernels_per_layer": base_k, "ratio_to_fp16": ratio,
+                "top_ops": dict(Counter({k: v / n for k, v in c.by_name.items()}).most_common(12)),
+            }
+            row_name = f"{label} {regime}" + ("" if bpd is None else f" (bpd {bpd:g})")
+            if name == "h2o" and regime == "one-pass":
+                per_token = per["kernels"] / t
+                detail["kernels_per_token_per_layer"] = per_token
+                rows.append(Row("opcount", row_name, "ops / token / layer", per_token, "", "<=", H2O_PER_TOKEN,
+                                shown=f"{per_token:.2f} ops/token", note=note + f"; {ratio:.1f}x fp16",
+                                detail=detail))
+            elif name in CODECS:
+                rows.append(Row("opcount", row_name, "ops / fp16 ops", ratio, "x", "<=", CODEC_RATIO,
+                                shown=f"{ratio:.2f}x ({per['kernels']:.1f})", note=note, detail=detail))
+            else:
+                rows.append(Row("opcount", row_name, "ops / fp16 ops", ratio, "x", "info", 0.0,
+                                shown=f"{ratio:.2f}x ({per['kernels']:.1f})", note=note + f"; {geometry}",
+                                detail=detail))
+    return rows

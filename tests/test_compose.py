@@ -1,0 +1,498 @@
+"""compose(evict, codec), METHODS.md §12: eviction x codec in one cache.
+
+Checked against references that do not use the composed states: a naive per-head loop of H2O over
+KIVI-stored tokens (arrival-indexed rules, groups of the kept members only), H2O's own naive
+reference run over decoded tokens, KIVI's own layer state run on SnapKV's kept sequence, the codec
+alone (keep=1), the eviction alone (exact codec), and direct counts of the stored bits and of what
+each query read (METHODS.md §0 v2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama
+from kvbench.calibrate import collect_stats
+from kvbench.integrate import attach, model_shape
+from methods import Regime, Unsupported, build_method
+from methods.base import ModelShape
+from methods.compose import KiviComposedState, TokenwiseComposedState
+from methods.groupquant import fake_quantize_groups
+from methods.h2o import H2OLayerState
+from methods.kivi import KiviLayerState
+from methods.latent_codec import KiviValueCodec
+from methods.snapkv import SnapKVLayerState
+from test_h2o import h2o_reference, make_qkv
+from test_run import _job, tiny_checkpoint  # noqa: F401 - the job tests' tiny checkpoint fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T = 80
+KIVI = {"bits": 2, "group": 16, "v_bits": 2, "v_group": 16, "residual": 32}
+SNAP = {"window": 8, "kernel": 3}
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture(scope="module")
+def model_and_stats():
+    """The tiny Llama in float64: exactness through rounding quantizers needs it (test_integration)."""
+    model = tiny_llama(seed=1).to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    return model, collect_stats(model, torch.randint(0, 128, (4, 64), generator=g))
+
+
+def _method(model, stats, name, bpd=None, v_bpd=None, regime=Regime("qall", T), **options):
+    method = build_method(name, **options)
+    method.set_regime(regime)
+    method.configure(model_shape(model), bpd, v_bpd)
+    if method.needs_calibration:
+        method.calibrate(stats, seed=0)
+    return method
+
+
+def _ids(seed=7):
+    return torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _qall(model, method, ids):
+    """(one-pass logits, token-by-token logits, bpd after each, reads of the one pass)."""
+    comp = attach(model, method)
+    try:
+        with torch.no_grad():
+            one = model(input_ids=ids, use_cache=False).logits
+            bpd_one, reads = comp.measured_bpd(), comp.read_bpd()
+            with comp.session():
+                steps = torch.cat([comp.forward(ids[:, t : t + 1], t, prefill=False) for t in range(T)], 1)
+            bpd_steps = comp.measured_bpd()
+    finally:
+        comp.detach()
+    return one, steps, bpd_one, bpd_steps, reads
+
+
+def _track_b(model, method, ids, p=50, steps=False):
+    """Exact prefill of p tokens, then the rest in one chunk (or token by token): (logits,
+    end-of-prefill bpd, end bpd, reads of the decode pass, the per-layer states)."""
+    comp = attach(model, method)
+    try:
+        with torch.no_grad(), comp.session():
+            comp.forward(ids[:, :p], 0, prefill=True)
+            prefill_end = comp.measured_bpd()
+            if steps:
+                logits = torch.cat([comp.forward(ids[:, t : t + 1], t, prefill=False) for t in range(p, T)], 1)
+                reads = None
+            else:
+                logits = comp.forward(ids[:, p:], p, prefill=False)
+                reads = comp.read_bpd()
+            end, states = comp.measured_bpd(), list(comp.states)
+    finally:
+        comp.detach()
+    return logits, prefill_end, end, reads, states
+
+
+# ------------------------------------------------------------------------------------------------
+# options and flags
+
+
+def test_options_are_validated_with_the_valid_choices():
+    with pytest.raises(ValueError, match="valid choices: h2o, snapkv"):
+        build_method("compose", evict="streaming")
+    with pytest.raises(ValueError, match="valid choices: fp16, kivi, kqsvd"):
+        build_method("compose", codec="nope")
+    with pytest.raises(ValueError, match="svdq.*not supported yet"):
+        build_method("compose", codec="svdq")
+    with pytest.raises(ValueError, match="valid choices"):
+        build_method("compose", codec="h2o")  # an eviction is not a codec
+    with pytest.raises(TypeError, match="valid options"):
+        build_method("compose", evict_options={"heavy": 0.1})
+    with pytest.raises(TypeError, match="valid options"):
+        build_method("compose", codec="kivi", codec_options={"bit": 2})
+    with pytest.raises(ValueError, match="keep must be a fraction"):
+        build_method("compose", keep=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        build_method("compose", keep=0.5, split=0.25)
+    with pytest.raises(ValueError, match="gqa='mean'"):
+        build_method("compose", evict="snapkv", evict_options={"gqa": "repeat"})
+
+
+def test_capability_flags_come_from_the_parts():
+    m = build_method("compose", evict="snapkv", codec="cobra_kl")
+    assert m.needs_calibration and not m.supports_in_pass and m.evicts_tokens
+    m = build_method("compose", evict="h2o", codec="kivi")
+    assert not m.needs_calibration and m.supports_in_pass
+
+
+# ------------------------------------------------------------------------------------------------
+# budget
+
+
+def _h2o_qall_share(rho, t, floor=8):
+    """Kept share each query reads in Q-all (§6.3), written from the spec."""
+    held = [min(p, max(floor, math.ceil(rho * p - 1e-9))) + 1 if p else 1 for p in range(t)]
+    return np.array(held) / np.arange(1, t + 1)
+
+
+def test_fixed_keep_gives_the_codec_the_rest_of_the_budget():
+    shape = ModelShape(4, 8, 4, 64)
+    m = build_method("compose", evict="h2o", codec="cobra_kl", keep=0.25)
+    m.set_regime(Regime("qall", 2048))
+    m.configure(shape, 1.0, None)
+    share = _h2o_qall_share(0.25, 2048).mean()
+    k = m.knobs()
+    assert k["rho"] == pytest.approx(0.25) and not k["fitted"]
+    assert k["codec_target_k"] == pytest.approx(1.0 / share - 16 / 64)  # fp32 score: 16/d per side
+    # values take an integer b_V (§5.8): the largest one below the share, 3 of 3.62
+    assert k["codec_target_v"] == math.floor(1.0 / share - 0.25) == 3
+    assert k["codec_knobs"]["target_bpd_v"] == 3.0
+
+
+def test_fitted_rho_spends_the_target_and_unreachable_targets_name_the_range():
+    shape = ModelShape(30, 9, 3, 64)
+    m = build_method("compose", evict="snapkv", codec="kivi", codec_options={"residual": 32})
+    m.set_regime(Regime("prefill", 1536, 511))
+    m.configure(shape, 1.0, None)
+    k = m.knobs()
+    assert k["fitted"] and k["predicted_bpd_kv"] == pytest.approx(1.0, abs=2e-3)
+    # prefill-exact: the headline is the cache at the end of the prefill (METHODS.md §0 v2)
+    assert k["kept_share_at_split"] == round(0.25 * 1536) / 1536
+    with pytest.raises(Unsupported, match="reachable range"):  # below KIVI's own floor
+        m.configure(shape, 0.2, None)
+    m = build_method("compose", evict="snapkv", codec="kivi", split=0.125)
+    m.set_regime(Regime("prefill", 1536, 511))
+    # SnapKV keeps at least W + 1 = 33 tokens: 16 * 33 / 1536 = 0.34 while they sit in KIVI's window
+    with pytest.raises(Unsupported, match=r"unreachable in this regime .* reachable \[0\.34"):
+        m.configure(shape, 0.32, None)
+
+
+def test_predicted_bpd_equals_a_direct_computation():
+    """H2O + a token-wise codec, Q-all: mean_p held_p (codec bits + 16/d) / (p + 1)."""
+    shape = ModelShape(4, 8, 4, 64)
+    m = build_method("compose", evict="h2o", codec="cobra_kl", keep=0.125)
+    m.set_regime(Regime("qall", 512))
+    m.configure(shape, 2.0, 4.0)
+    bk, bv = m._codec.nominal_bpd(512)
+    share = _h2o_qall_share(0.125, 512).mean()
+    assert m.predicted_bpd() == pytest.approx(((bk + 0.25) * share, (bv + 0.25) * share))
+
+
+# ------------------------------------------------------------------------------------------------
+# layer states against naive references
+
+
+def test_h2o_over_a_tokenwise_codec_is_h2o_over_the_decoded_tokens():
+    """Decode semantics: the scores accumulate from attention over the decoded cache."""
+    q, k, v = make_qkv(1, 2, 2, 60, 16, dtype=torch.float64, seed=3)
+    codec = KiviValueCodec(2, 8)  # per-token groups: a token-wise codec for keys and values
+    state = TokenwiseComposedState(H2OLayerState(0.2, 0.2), codec, codec)
+    out = state.attend(q, k, v, scaling=0.25, prefill=False)
+    k_hat, v_hat = (fake_quantize_groups(x, 2, 8, axis=-1) for x in (k, v))
+    ref, kept = h2o_reference(q, k_hat, v_hat, 0.25, 0.2, 0.2)
+    assert (out - ref).abs().max() < 1e-10
+    pos = state.evict.kept_positions()
+    assert {(0, h): pos[0, h].tolist() for h in range(2)} == kept
+    # stored: the held tokens at the codec's bits per token (2 + 32/8 per element) + the fp32 score
+    n = len(kept[0, 0])
+    assert state.stored_bits() == (n * 2 * (16 * 6 + 16),) * 2
+
+
+def kivi_under_h2o_reference(q, k, v, scaling, rho, r, gk, b, bv, gv, floor=8):
+    """Python loops per KV head: H2O's Q-all recursion (§6.3) over KIVI-stored tokens (§2.3 on
+    arrival indices = positions); a key group is quantized at its flush from its kept members only;
+    bits held by each query before it reads, and at the end."""
+    bsz, hq, t_len, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = torch.zeros_like(q)
+    reads_k, reads_v = torch.zeros(t_len, dtype=torch.float64), torch.zeros(t_len, dtype=torch.float64)
+    final = {}
+
+    def bits(kept, n):
+        flushed = r * (n // r)
+        qk = [j for j in kept if j < flushed]
+        groups = {j // gk for j in qk}
+        bk = len(qk) * b * d + (len(kept) - len(qk)) * 16 * d + len(groups) * 32 * d
+        qv = [j for j in kept if j < n - r]
+        bvv = len(qv) * (bv * d + 32 * d // gv) + (len(kept) - len(qv)) * 16 * d
+        return bk, bvv
+
+    for h in range(hkv):
+        kept, score, ks, vs = [], {}, {}, {}
+        for t in range(t_len):
+            bk, bvv = bits(kept, t)
+            reads_k[t] += bk + 16 * d + 16 * (len(kept) + 1)
+            reads_v[t] += bvv + 16 * d + 16 * (len(kept) + 1)
+            kept.append(t)
+            score[t], ks[t], vs[t] = 0.0, k[0, h, t], v[0, h, t]
+            for qh in range(h * g, (h + 1) * g):
+                kk = torch.stack([ks[j] for j in kept])
+                p = torch.softmax(kk @ q[0, qh, t] * scaling, dim=0)
+                out[0, qh, t] = p @ torch.stack([vs[j] for j in kept])
+                for j, pj in zip(kept, p.tolist()):
+                    score[j] += pj / g
+            cap = max(floor, math.ceil(rho * (t + 1) - 1e-9))
+            c_r = math.floor(cap * 0.5 + 0.5)
+            while len(kept) > cap:
+                kept.remove(min((j for j in kept if j <= t - c_r), key=lambda j: (score[j], j)))
+            n = t + 1
+            if n % r == 0:  # flush: groups of gk arrivals, quantized from their kept members
+                for g0 in range(n - r, n, gk):
+                    mem = [j for j in kept if g0 <= j < g0 + gk]
+                    if mem:
+                        x = torch.stack([k[0, h, j] for j in mem])[None, None]
+                        xq = fake_quantize_groups(x, b, len(mem), axis=2)[0, 0]
+                        for i, j in enumerate(mem):
+                            ks[j] = xq[i]
+            a = n - r - 1
+            if a >= 0 and a in kept:
+                vs[a] = fake_quantize_groups(v[0, h, a][None], bv, gv, axis=-1)[0]
+        final[h] = (list(kept), bits(kept, t_len), {j: ks[j] for j in kept})
+    return out, reads_k, reads_v, final
+
+
+def test_kivi_under_h2o_eviction_matches_a_naive_reference():
+    q, k, v = make_qkv(1, 2, 2, 96, 16, dtype=torch.float64, seed=5)
+    r, gk = 32, 16
+    state = KiviComposedState(H2OLayerState(0.15, 0.15), 2, gk, r, 2, 8)
+    out = state.attend(q, k, v, scaling=0.25, prefill=False)
+    ref, reads_k, reads_v, final = kivi_under_h2o_reference(q, k, v, 0.25, 0.3, r, gk, 2, 2, 8)
+    assert (out - ref).abs().max() < 1e-10
+    pos = state.evict.kept_positions()
+    k_stored, _ = state.evict.kept_kv()
+    for h in range(2):
+        kept, _, ks = final[h]
+        assert pos[0, h].tolist() == kept
+        assert torch.allclose(k_stored[0, h], torch.stack([ks[j] for j in kept]), atol=1e-12)
+    # some key group lost members before its flush, so the holes path was exercised
+    assert any(len([j for j in final[h][0] if j < 32]) < 32 for h in range(2))
+    bits_k = sum(final[h][1][0] for h in range(2)) + 16 * pos.shape[-1] * 2
+    bits_v = sum(final[h][1][1] for h in range(2)) + 16 * pos.shape[-1] * 2
+    assert state.stored_bits() == (bits_k, bits_v)
+    got_k, got_v = state.read_bits()
+    assert torch.allclose(got_k, reads_k) and torch.allclose(got_v, reads_v)
+
+
+def test_snapkv_then_kivi_is_kivi_on_the_kept_sequence():
+    """Prefill-exact: SnapKV selects from exact attention, then KIVI stores the kept sequence with
+    its own residual rule; decoding appends through KIVI (KIVI's own layer state as reference)."""
+    q, k, v = make_qkv(1, 2, 2, 110, 16, dtype=torch.float64, seed=9)
+    p = 90
+    cap = lambda n: 40  # noqa: E731
+    state = KiviComposedState(SnapKVLayerState(8, 3, "max", "mean", cap), 2, 16, 32, 2, 16)
+    pre = state.attend(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling=0.25, prefill=True)
+    dec = state.attend(q[:, :, p:], k[:, :, p:], v[:, :, p:], scaling=0.25, prefill=False)
+
+    snap = SnapKVLayerState(8, 3, "max", "mean", cap)
+    ref_pre = snap.attend(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling=0.25, prefill=True)
+    idx = snap.kept_prompt_positions()
+    take = lambda x: x.gather(2, idx[..., None].expand(*idx.shape, 16))  # noqa: E731
+    kivi = KiviLayerState(2, 16, 32, 2, 16)
+    kivi.attend(q[:, :, p - 1 : p], take(k[:, :, :p]), take(v[:, :, :p]), scaling=0.25, prefill=True)
+    ref_dec = kivi.attend(q[:, :, p:], k[:, :, p:], v[:, :, p:], scaling=0.25, prefill=False)
+    assert torch.equal(pre, ref_pre)
+    assert (dec - ref_dec).abs().max() < 1e-10
+    assert state.stored_bits() == kivi.stored_bits()
+    rk, rv = state.read_bits()
+    ek, ev = kivi.read_bits()
+    assert torch.equal(rk, ek) and torch.equal(rv, ev)
+
+
+# ------------------------------------------------------------------------------------------------
+# inside the model
+
+
+@pytest.mark.parametrize("codec,options,bpd", [("cobra_kl", {}, 2.0), ("kqsvd", {}, 2.0), ("kivi", KIVI, None)])
+def test_h2o_codec_one_pass_equals_token_by_token_decoding(model_and_stats, codec, options, bpd):
+    model, stats = model_and_stats
+    method = _method(model, stats, "compose", bpd, codec=codec, codec_options=options, keep=0.5)
+    ids = _ids()
+    one, steps, bpd_one, bpd_steps, _ = _qall(model, method, ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    assert (one - steps).abs().max() < 1e-4
+    assert (one - ref).abs().max() > 1e-3
+    # a bit-packed codec pads each encode call to a byte: < 8 bits per layer and decoded token
+    shape = model_shape(model)
+    assert bpd_one == pytest.approx(bpd_steps, abs=8 / (shape.n_kv_heads * shape.head_dim))
+
+
+@pytest.mark.parametrize("evict,codec,options,bpd", [
+    ("h2o", "cobra_kl", {}, 2.0), ("h2o", "kivi", KIVI, None),
+    ("snapkv", "kivi", KIVI, None), ("snapkv", "cobra_kl", {}, 2.0),
+])
+def test_prefill_then_chunk_equals_prefill_then_steps(model_and_stats, evict, codec, options, bpd):
+    model, stats = model_and_stats
+    ev = SNAP if evict == "snapkv" else {}
+    method = _method(model, stats, "compose", bpd, evict=evict, codec=codec, codec_options=options,
+                     evict_options=ev, keep=0.4, regime=Regime("prefill", 50, 29))
+    ids = _ids(3)
+    chunk = _track_b(model, method, ids)[0]
+    steps = _track_b(model, method, ids, steps=True)[0]
+    assert (chunk - steps).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("codec,options,bpd", [("kivi", KIVI, None), ("cobra_kl", {}, 2.0)])
+def test_keep_one_equals_the_codec_alone(model_and_stats, codec, options, bpd):
+    """Q-all through H2O at rho = 1 (nothing evicted; the fp32 scores are still stored), and
+    prefill-exact through SnapKV at rho = 1 (the prompt is not compressed)."""
+    model, stats = model_and_stats
+    ids = _ids()
+    comp_h = _method(model, stats, "compose", bpd, codec=codec, codec_options=options, keep=1.0)
+    alone = comp_h._codec  # the same configured, calibrated codec, used through its own state
+    one, _, bpd_c, _, reads_c = _qall(model, comp_h, ids)
+    ref, _, bpd_a, _, reads_a = _qall(model, alone, ids)
+    d = model_shape(model).head_dim
+    assert (one - ref).abs().max() < 1e-10
+    assert bpd_c == pytest.approx((bpd_a[0] + 16 / d, bpd_a[1] + 16 / d))
+    assert torch.allclose(reads_c[0], reads_a[0] + 16 / d) and torch.allclose(reads_c[1], reads_a[1] + 16 / d)
+
+    comp_s = _method(model, stats, "compose", bpd, evict="snapkv", codec=codec, codec_options=options,
+                     evict_options=SNAP, keep=1.0, regime=Regime("prefill", 50, 29))
+    if bpd is not None:  # the same codec budget as the H2O composition had, less the score
+        comp_s._codec = alone
+    got, pre_c, end_c, reads_c, _ = _track_b(model, comp_s, ids)
+    ref, pre_a, end_a, reads_a, _ = _track_b(model, comp_s._codec, ids)
+    assert (got - ref).abs().max() < 1e-10
+    assert (pre_c, end_c) == (pytest.approx(pre_a), pytest.approx(end_a))
+    assert torch.allclose(reads_c[0], reads_a[0]) and torch.allclose(reads_c[1], reads_a[1])
+
+
+@pytest.mark.parametrize("evict", ["h2o", "snapkv"])
+def test_an_exact_codec_equals_the_eviction_alone(model_and_stats, evict):
+    model, stats = model_and_stats
+    ids = _ids()
+    ev = SNAP if evict == "snapkv" else {}
+    regime = Regime("prefill", 50, 29)
+    comp = _method(model, stats, "compose", evict=evict, codec="fp16", evict_options=ev, keep=0.3, regime=regime)
+    alone = comp._evictor
+    a = _track_b(model, comp, ids)
+    b = _track_b(model, alone, ids)
+    assert torch.equal(a[0], b[0]) and a[1:3] == b[1:3]
+    assert torch.equal(a[3][0], b[3][0]) and torch.equal(a[3][1], b[3][1])
+    if evict == "h2o":
+        one_c, _, bpd_c, _, reads_c = _qall(model, comp, ids)
+        one_a, _, bpd_a, _, reads_a = _qall(model, alone, ids)
+        assert torch.equal(one_c, one_a) and bpd_c == bpd_a and torch.equal(reads_c[0], reads_a[0])
+
+
+def test_stored_bits_are_kept_share_times_codec_bits_plus_scores(model_and_stats):
+    """Direct count per layer: held tokens x (the codec's bits over all T tokens alone) / T + an
+    fp32 score per held token and KV head, half to each side."""
+    model, stats = model_and_stats
+    ids = _ids()
+    comp = _method(model, stats, "compose", 1.0, codec="cobra_kl", keep=0.25)
+    codec_alone = attach(model, comp._codec)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+        alone_bits = list(codec_alone.last_bits)
+    finally:
+        codec_alone.detach()
+    c = attach(model, comp)
+    try:
+        with torch.no_grad(), c.session():
+            c.forward(ids, 0, prefill=False)
+            held = [s.n_kept for s in c.states]
+            got = list(c.last_bits)
+    finally:
+        c.detach()
+    hkv = model_shape(model).n_kv_heads
+    assert 0 < min(held) < T
+    for n, (bk, bv, _), (ak, av, _) in zip(held, got, alone_bits):
+        assert bk == round(n * ak / T) + n * hkv * 16
+        assert bv == round(n * av / T) + n * hkv * 16
+
+
+def test_read_bits_mean_over_positions_equals_a_direct_computation(model_and_stats):
+    model, stats = model_and_stats
+    shape = model_shape(model)
+    d = shape.head_dim
+    ids = _ids(11)
+    # H2O + KV-COBRA, Q-all: held_p (codec bpd + 16/d) / (p + 1) at every position p
+    comp = _method(model, stats, "compose", 1.0, 1.0, codec="cobra_kl", keep=0.25)
+    _, _, _, _, (rk, rv) = _qall(model, comp, ids)
+    bk, bv = comp._codec.nominal_bpd(T)
+    share = torch.tensor(_h2o_qall_share(0.25, T))
+    tol = 8 * shape.n_layers / (shape.n_heads_total * d * T)  # < 8 padding bits per layer and call
+    assert torch.allclose(rk, share * (bk + 16 / d), atol=tol)
+    assert torch.allclose(rv, share * (bv + 16 / d), atol=tol)
+    # SnapKV + KIVI, prefill-exact: KIVI's §2.3 rule on the kept sequence of C + i + 1 tokens
+    comp = _method(model, stats, "compose", evict="snapkv", codec="kivi", codec_options=KIVI,
+                   evict_options=SNAP, keep=0.4, regime=Regime("prefill", 50, 29))
+    _, pre, _, (rk, rv), _ = _track_b(model, comp, ids)
+    c, r, rate = 20, 32, 2 + 32 / 16  # C = round(0.4 * 50); b + 32/G on both sides
+    n = torch.arange(c + 1, c + 31, dtype=torch.float64)
+    nk, nv = r * torch.div(n - 1, r, rounding_mode="floor"), (n - 1 - r).clamp(min=0)
+    seen = torch.arange(51, 81, dtype=torch.float64)
+    assert torch.allclose(rk, (nk * rate + (n - nk) * 16) / seen)
+    assert torch.allclose(rv, (nv * rate + (n - nv) * 16) / seen)
+    assert pre == pytest.approx((16 * c / 50,) * 2)  # 20 < R: the kept prompt stays fp16
+
+
+def test_fitted_budget_is_met_by_the_measured_figure(model_and_stats):
+    """H2O + KV-COBRA fitted to bpd = 1 (K and V) in a Q-all regime of T tokens: the measured
+    mean over positions is the target in bpd_KV (one side above, one below: integer b_V)."""
+    model, stats = model_and_stats
+    comp = _method(model, stats, "compose", 1.0, codec="cobra_kl")
+    assert comp.knobs()["fitted"]
+    _, _, _, _, (rk, rv) = _qall(model, comp, _ids())
+    assert (float(rk.mean()) + float(rv.mean())) / 2 == pytest.approx(1.0, rel=0.02)
+
+
+# ------------------------------------------------------------------------------------------------
+# the job: the split chosen by calibration-corpus PPL (kvbench/keep_fraction.py)
+
+
+def test_job_chooses_the_split_on_heldout_calibration_windows(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    args = ("method=compose", "method.codec=cobra_kl", "bpd=2")
+    r = _job(tmp_path / "a", tiny_checkpoint, *args)
+    assert r["status"] == "ok", r["error"]
+    choice, knobs, b = r["keep_fraction"], r["knobs"], r["bpd"]
+    assert [c["split"] for c in choice["candidates"]] == [0.5, 0.25, 0.125]
+    best = min((c for c in choice["candidates"] if c["ppl"] is not None), key=lambda c: c["ppl"])
+    assert choice["split"] == best["split"] == knobs["split"] and knobs["fitted"]
+    assert (b["target_k"], b["target_v"]) == (2.0, 2.0)  # an eviction: the budget covers K and V
+    assert (b["measured_k"] + b["measured_v"]) / 2 == pytest.approx(2.0, rel=0.05)
+    again = _job(tmp_path / "b", tiny_checkpoint, *args)
+    assert again["keep_fraction"]["cache_hit"] is True and again["knobs"]["rho"] == knobs["rho"]
+
+
+def test_job_with_dict_options_and_an_unreachable_target(tmp_path, tiny_checkpoint, monkeypatch):
+    """Hydra dicts carry the parts' options; a target no kept fraction reaches is `unsupported`
+    with the reachable range (here KIVI's 128-token fp16 window holds a 64-token window whole)."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    snap = ("method=compose", "method.evict=snapkv", "method.codec=kivi", "method.evict_options={window:8,kernel:3}",
+            "task.ppl.track=B", "task.ppl.context=48")
+    r = _job(tmp_path / "a", tiny_checkpoint, *snap, "method.codec_options={group:16,v_group:16,residual:32}",
+             "method.keep=0.5", "bpd=4")
+    assert r["status"] == "ok", r["error"]
+    k = r["knobs"]
+    assert k["evict_knobs"]["window"] == 8 and k["rho"] == 0.5 and k["codec_knobs"]["residual"] == 32
+    r = _job(tmp_path / "b", tiny_checkpoint, *snap, "+method.codec_options.group=16",
+             "+method.codec_options.v_group=16", "bpd=1")
+    assert r["status"] == "unsupported" and "reachable [" in r["error"]
+
+
+@pytest.mark.slow
+def test_h2o_cobra_one_pass_equals_decoding_on_smollm2(smollm2):
+    """The real SmolLM2 (30 layers, d = 64) in float64 (see tests/test_smollm2.py): H2O's scores
+    from attention over KV-COBRA-decoded keys, one pass = 256 decode steps."""
+    from test_smollm2 import _in_pass_and_steps, float64
+
+    from kvbench.data.text import corpus_text
+    from kvbench.data.windows import encode
+
+    model = smollm2.model
+    ids = encode(smollm2.tokenizer, corpus_text("ptb", "test")[:20_000])
+    stats = collect_stats(model, ids[:1024].view(4, 256))
+    with float64(model):
+        method = _method(model, stats, "compose", 1.0, codec="cobra_kl", keep=0.25, regime=Regime("qall", 256))
+        in_pass, steps = _in_pass_and_steps(model, method, ids[1024:1280][None])
+    assert in_pass.dtype == torch.float64
+    assert (in_pass - steps).abs().max() < 1e-4
