@@ -83,9 +83,9 @@ class LayerStats:
 class Regime:
     """What a job's measured bpd is taken over (METHODS.md §0 v2), for methods whose storage
     depends on the sequence length (fp16 buffers, per-sequence bases): ``"qall"`` = the mean over
-    ``tokens`` query positions from an empty cache (PPL track A, zero-shot); ``"prefill"`` = an
-    exact prefill of ``tokens`` prompt tokens, then the mean over ``decode`` decoded positions
-    (PPL track B, LongBench, RULER; ``decode=0``: the end of prefill)."""
+    ``tokens`` query positions from an empty cache (PPL track A, zero-shot); ``"prefill"`` = the
+    cache at the end of an exact prefill of ``tokens`` prompt tokens (PPL track B, LongBench,
+    RULER), followed by ``decode`` decoded positions whose mean read is reported beside it."""
 
     kind: str = "qall"
     tokens: int = 2048

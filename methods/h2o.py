@@ -39,11 +39,12 @@ class H2O(KVMethod):
       C_t = max(min_budget, ⌈ρ(t+1)⌉), recent share C_r,t = round(C_t·recent_ratio/ρ).
 
     Budget (§6.4): ``bpd`` and ``v_bpd`` are one budget spent on K and V (different values raise
-    :class:`Unsupported`). ``budget="measured"`` (default): in Q-all (PPL track A, zero-shot) ρ is
-    fitted so that the measured figure of METHODS.md §0 v2 — the mean over query positions of what
-    each query read, the min_budget floor and the query itself included (:func:`qall_mean_bpd`) —
-    is the target for the job's regime length; in prefill-exact regimes the end of prefill is the
-    figure, so ρ = target / (16 + 16/d). ``budget="nominal"``: always ρ = target / (16 + 16/d)
+    :class:`Unsupported`). ``budget="measured"`` (default): a Q-all state (PPL track A,
+    zero-shot) uses a ρ fitted so that the measured figure of METHODS.md §0 v2 — the mean over
+    query positions of what each query read, the min_budget floor and the query itself included
+    (:func:`qall_mean_bpd`) — is the target at the job's regime length (``knobs.rho_qall``); a
+    state that starts with an exact prefill keeps ρ = target / (16 + 16/d), since there the end of
+    prefill is the figure. ``budget="nominal"``: always ρ = target / (16 + 16/d)
     (the formula of §6.4; in Q-all the cache then holds more than the label: 1.23 at 1.0, T=2048),
     split half/half
     (16 + 16/d = 16.125 at d = 128: an fp32 score per kept token per KV head shared by K and V);
@@ -126,9 +127,9 @@ class H2O(KVMethod):
                 f"so targets lie in (0, {per:g}]"
             )
         rho = target / per
-        self._predicted = None
-        if self.budget == "measured" and self.regime.kind == "qall":
-            rho = self._fit_qall(target, per)
+        self._predicted, self._qall_scale = None, 1.0
+        if self.budget == "measured":  # Q-all states only; the end of a prefill is at ρ already
+            self._qall_scale = self._fit_qall(target, per) / rho
         h, r = self.heavy_ratio, self.recent_ratio
         if h is None and r is None:
             h = r = rho / 2
@@ -165,7 +166,8 @@ class H2O(KVMethod):
 
     def new_layer_state(self, layer):
         h, r = self._ratios
-        return H2OLayerState(h, r, int(self.min_budget), bool(self.count_indices))
+        scale = getattr(self, "_qall_scale", 1.0)
+        return H2OLayerState(h, r, int(self.min_budget), bool(self.count_indices), scale)
 
     def knobs(self):
         h, r = self._ratios
@@ -176,6 +178,7 @@ class H2O(KVMethod):
             "min_budget": int(self.min_budget),
             "count_indices": bool(self.count_indices),
             "budget": self.budget,
+            "rho_qall": (h + r) * getattr(self, "_qall_scale", 1.0),
             "predicted_qall_bpd": getattr(self, "_predicted", None),
         }
 
@@ -258,6 +261,7 @@ class H2OLayerState(LayerState):
     recent_ratio: float
     min_budget: int = 8
     count_indices: bool = False
+    qall_scale: float = 1.0  # ρ of a Q-all state = (heavy + recent) x this (budget="measured")
 
     def __post_init__(self):
         self._k = self._v = self._score = self._pos = None
@@ -280,7 +284,7 @@ class H2OLayerState(LayerState):
 
     def qall_budget(self, t: int) -> tuple[int, int]:
         """(C_t, C_r,t) at query position t from an empty state (§6.3)."""
-        c = max(self.min_budget, math.ceil(self.rho * (t + 1) - 1e-9))
+        c = max(self.min_budget, math.ceil(self.rho * self.qall_scale * (t + 1) - 1e-9))
         return c, round_half_up(c * self.recent_ratio / self.rho)
 
     def budget(self, t: int) -> tuple[int, int]:

@@ -64,7 +64,7 @@ def direct_bpd(method, shape, t: int) -> tuple[list[float], list[float]]:
             ks.append((nq * (sum(sched) / len(sched) + active * 32 / g) + (n - nq) * 16) / n)
             vs.append(16.0)
         elif method.name == "h2o":  # §6.3: the query reads min(p, C_{p-1}) kept tokens + itself
-            rho, floor = knobs["rho"], knobs["min_budget"]
+            rho, floor = knobs["rho_qall"], knobs["min_budget"]  # the Q-all ρ
             cap_before = max(floor, math.ceil(rho * p - 1e-9)) if p else 0
             kept = min(p, cap_before) + 1
             per = 16 + 16 / d * (2 if knobs["count_indices"] else 1)

@@ -286,11 +286,12 @@ def test_measured_budget_holds_the_target_over_query_positions(target):
     mean = float((bits_k / (torch.arange(1, t + 1, dtype=torch.float64) * 2 * d)).mean())
     assert mean == pytest.approx(m.knobs()["predicted_qall_bpd"], abs=1e-12)
     assert mean == pytest.approx(target, rel=0.02) and mean <= target + 1e-12
-    assert m.knobs()["rho"] < target / per  # the floor and the query itself are paid for
-    m = H2O()
-    m.set_regime(Regime("prefill", t, 32))
-    m.configure(ModelShape(2, 4, 2, d), target, None)
+    assert m.knobs()["rho_qall"] < target / per  # the floor and the query itself are paid for
+    # a state that starts with an exact prefill keeps the formula: its end of prefill is at target
     assert m.knobs()["rho"] == pytest.approx(target / per)
+    state = m.new_layer_state(0)
+    state.attend(q, k, v, scaling=d**-0.5, prefill=True)
+    assert abs(state.stored_bits()[0] / (2 * t * d) - target) <= per / t + 1e-12
 
 
 def test_measured_budget_below_the_floor_is_unsupported():
