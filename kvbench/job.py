@@ -74,9 +74,8 @@ def job_regime(cfg: DictConfig) -> Regime:
     """What the job's headline measured bpd is taken over (METHODS.md §0 v2), for methods whose
     cost depends on the position (SVDq's fp16 buffer and per-sequence basis): PPL's track when PPL
     runs (A: Q-all over seqlen positions; B: a ``context``-token prefill, then the scored targets),
-    else a LongBench-style prefill of the prompt length (``max_length`` capped at 2048 for the
-    embedded stand-in) with ``max_new`` = 32 decoded positions, else Q-all over 2048. Other tasks
-    report their own measured bpd beside it."""
+    else a 2048-token prefill with 32 decoded positions (LongBench / RULER: prompt lengths vary per
+    item), else Q-all over 2048. Other tasks report their own measured bpd beside it."""
     if "ppl" in cfg.tasks:
         p = cfg.task.ppl
         if p.track == "B":
