@@ -484,8 +484,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 # Token-wise codecs
 
 
+class _ComposedState(LayerState):
+    """What both composed states share: their eviction state ``evict`` owns the held tokens."""
+
+    @property
+    def n_seen(self):
+        return self.evict.n_seen
+
+    @property
+    def n_kept(self) -> int:
+        return self.evict.n_kept
+
+
 @dataclass
-class TokenwiseComposedState(LayerState):
+class TokenwiseComposedState(_ComposedState):
     """An eviction state holding token-wise-decoded tokens; bits = held tokens x codec bits per
     token + the eviction's state."""
 
@@ -547,13 +559,6 @@ class TokenwiseComposedState(LayerState):
         (ck, cv), (sk, sv) = self.codec_token_bits(), state_token_bits(self.evict)
         return round(n * (ck + sk)), round(n * (cv + sv))
 
-    @property
-    def n_seen(self):
-        return self.evict.n_seen
-
-    @property
-    def n_kept(self) -> int:
-        return self.evict.n_kept
 
 
 # ------------------------------------------------------------------------------------------------
@@ -561,7 +566,7 @@ class TokenwiseComposedState(LayerState):
 
 
 @dataclass
-class KiviComposedState(LayerState):
+class KiviComposedState(_ComposedState):
     """An eviction state holding KIVI-stored tokens, KIVI's rules on arrival indices (module
     docstring). Keys are post-RoPE (KIVI §2.2): ``k_pre``/``rope`` are not used.
 
@@ -725,10 +730,3 @@ class KiviComposedState(LayerState):
         n = self.evict.n_kept
         return round(float(hk) + n * sk), round(float(hv) + n * sv)
 
-    @property
-    def n_seen(self):
-        return self.evict.n_seen
-
-    @property
-    def n_kept(self) -> int:
-        return self.evict.n_kept

@@ -225,12 +225,21 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(threads)
     rows = report.pop("_rows")
     out = args.out or Path("runs") / "bench" / f"bench-{args.model}-{report['preset']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    title = (f"kvbench.bench ({report['preset']}) on {report['model']['name']} ({report['model']['device']}, "
+             f"{report['model']['dtype']})")
+    write_and_print(report, rows, out, title)
+    return report
+
+
+def write_and_print(report: dict, rows: list, out: Path, title: str) -> None:
+    """Write ``report`` to ``out`` atomically (a per-process temporary name, then a rename) and
+    print ``title`` with the date, load and time, the rows' table, the e2e table if any, and the
+    PASS/MISS/INFO count (shared by ``python -m kvbench.bench`` and the device check)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
+    tmp = out.with_suffix(out.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
     tmp.replace(out)
-    print(f"\nkvbench.bench ({report['preset']}) on {report['model']['name']} ({report['model']['device']}, "
-          f"{report['model']['dtype']}), {report['date']}, load avg {report['load_avg']['start']} -> "
+    print(f"\n{title}, {report['date']}, load avg {report['load_avg']['start']} -> "
           f"{report['load_avg']['end']}, {report['seconds']['total']:.0f} s")
     print(format_table(rows))
     e2e_rows = [r for r in rows if r.section == "e2e"]
@@ -239,7 +248,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(e2e.format_e2e(e2e_rows))
     s = report["summary"]
     print(f"\n{s['pass']} PASS, {s['miss']} MISS, {s['info']} INFO of {s['rows']} rows; JSON: {out}")
-    return report
 
 
 if __name__ == "__main__":

@@ -154,6 +154,21 @@ class Row:
 # ---- timing ---------------------------------------------------------------------------------------
 
 
+def attached_around(lm, method) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(setup, teardown) that attach ``method`` to ``lm``'s model around a timed pass and detach it
+    afterwards, so the FP16 baseline runs on the unpatched model."""
+    from ..integrate import attach
+
+    def setup():
+        lm.compressor = attach(lm.model, method)
+
+    def teardown():
+        lm.compressor.detach()
+        lm.compressor = None
+
+    return setup, teardown
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -69,26 +69,24 @@ GUARD_FRACTION = 0.85
 # ---- memory probes ---------------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int | None:
+def _proc_kib(path: str, field: str) -> int | None:
+    """A ``field: N kB`` line of a /proc file (None where /proc is absent)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         return None
     return None
+
+
+def _status_kib(field: str) -> int | None:
+    return _proc_kib("/proc/self/status", field)
 
 
 def _meminfo_kib(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+    return _proc_kib("/proc/meminfo", field)
 
 
 class MemoryProbe:

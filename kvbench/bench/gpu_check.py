@@ -54,7 +54,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from . import e2e  # noqa: E402
-from .cli import _loadavg, format_table, machine, markdown_table  # noqa: E402
+from .cli import _loadavg, machine, markdown_table, write_and_print  # noqa: E402
 from .common import EVAL_CASES, INFO, PRESETS, BenchModel, Row, budget_label, calib_windows, make_method  # noqa: E402
 
 log = logging.getLogger("kvbench.gpu_check")
@@ -319,21 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = report.pop("_rows")
     preset = "quick" if args.quick else "full"
     out = args.out or Path("runs") / "gpu_check" / f"gpu-check-{args.device}-{preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    tmp.replace(out)
     m = report["machine"]
-    print(f"\nkvbench device check ({preset}) on {report['device']}{' (' + m['gpu'] + ')' if 'gpu' in m else ''}, "
-          f"{report['date']}, load avg {report['load_avg']['start']} -> {report['load_avg']['end']}, "
-          f"{report['seconds']['total']:.0f} s")
-    print(format_table(rows))
-    e2e_rows = [r for r in rows if r.section == "e2e"]
-    if e2e_rows:
-        print("\ne2e (ratios to plain transformers at the same length):")
-        print(e2e.format_e2e(e2e_rows))
-    s = report["summary"]
-    print(f"\n{s['pass']} PASS, {s['miss']} MISS, {s['info']} INFO of {s['rows']} rows; JSON: {out}")
+    title = f"kvbench device check ({preset}) on {report['device']}{' (' + m['gpu'] + ')' if 'gpu' in m else ''}"
+    write_and_print(report, rows, out, title)
     return report
 
 

@@ -64,6 +64,7 @@ import torch
 from methods import ModelShape
 
 from ..integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
+from .codec_speed import CODEC_CASES
 from .common import Row, Sizes, make_method, random_model, synthetic_stats, tiny_config
 
 log = logging.getLogger(__name__)
@@ -97,17 +98,7 @@ SYNC_OPS = frozenset(
 ATTN, PROJ = "kvbench.opcount.attn", "kvbench.opcount.proj"
 CODECS = ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl")
 #: (label, registry name, bpd, v_bpd); None = the plain model (FP16 as the harness runs it)
-CASES = [
-    ("fp16", None, None, None),
-    ("fp16 (kvbench state)", "fp16", None, None),
-    ("kivi", "kivi", 2.0, None),
-    ("svdq", "svdq", 2.0, None),
-    ("kqsvd", "kqsvd", 2.0, None),
-    ("cobra_mse", "cobra_mse", 2.0, None),
-    ("cobra_kl", "cobra_kl", 2.0, None),
-    ("h2o", "h2o", 4.0, 4.0),
-    ("snapkv", "snapkv", 4.0, 4.0),
-]
+CASES = [("fp16", None, None, None), ("fp16 (kvbench state)", "fp16", None, None), *CODEC_CASES]
 CODEC_RATIO = 3.0
 H2O_PER_TOKEN = 20.0
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import math
 
-from .common import EVAL_CASES, BenchModel, Row, Sizes, budget_label, eval_windows, make_method, paired_ratio
+from .common import EVAL_CASES, BenchModel, Row, Sizes, attached_around, budget_label, eval_windows, make_method, paired_ratio
 from ..compressed_lm import CompressedLM
-from ..integrate import attach, model_shape
+from ..integrate import model_shape
 from ..ppl import window_nll
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,7 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=EVAL_CASES) -> list[Row]:
         method = make_method(name, options, shape, bpd, v_bpd, stats)
         # the method is attached only around its own passes: FP16's run on the unpatched model
         lm = CompressedLM(bm.model, bm.tokenizer, None)
-
-        def setup():
-            lm.compressor = attach(bm.model, method)
-
-        def teardown():
-            lm.compressor.detach()
-            lm.compressor = None
+        setup, teardown = attached_around(lm, method)
 
         log.info("overhead: %s (%s), %d x %d tokens", label, budget_label(bpd, v_bpd), *windows.shape)
         res = paired_ratio(base, track_a(lm, label), bm.device, sizes.eval_reps, base_warmup=not rows,

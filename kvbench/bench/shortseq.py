@@ -35,8 +35,8 @@ import logging
 import torch
 
 from ..compressed_lm import CompressedLM
-from ..integrate import attach, model_shape
-from .common import EVAL_CASES, BenchModel, Row, Sizes, budget_label, make_method, paired_ratio
+from ..integrate import model_shape
+from .common import EVAL_CASES, BenchModel, Row, Sizes, attached_around, budget_label, make_method, paired_ratio
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,7 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=EVAL_CASES) -> list[Row]:
     for label, name, options, bpd, v_bpd, kind in cases:
         method = make_method(name, options, shape, bpd, v_bpd, stats)
         lm = CompressedLM(bm.model, bm.tokenizer, None)
-
-        def setup():
-            lm.compressor = attach(bm.model, method)
-
-        def teardown():
-            lm.compressor.detach()
-            lm.compressor = None
+        setup, teardown = attached_around(lm, method)
 
         setup()
         try:
