@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {main-table,ablation,plot} [RUNS_DIR] [options]``."""
+"""Command line: ``python -m analysis {main-table,ablation,plot,frontier} [RUNS_DIR] [options]``."""
 
 from __future__ import annotations
 
@@ -62,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "PPL reports)")
     plot.add_argument("--ppl-partial", action="store_true",
                       help="average the datasets a run has when some are missing")
+
+    front = sub.add_parser("frontier", parents=[common],
+                           help="the rate-distortion frontier: eviction, codecs, compositions "
+                                "against measured bpd_KV, the Pareto front (Markdown + PNG)")
+    front.add_argument("--metric", action="append", default=None, metavar="METRIC",
+                       help="a metric column (repeatable; default: ppl_mean and the "
+                            "long-context metric the runs have)")
+    front.add_argument("--out", metavar="FILE", help="write the Markdown here instead of stdout")
+    front.add_argument("--figures", default="figures", metavar="DIR",
+                       help="directory of the PNGs, one per model and metric (default: figures)")
     return parser
 
 
@@ -83,10 +93,15 @@ def write_table(table, args: argparse.Namespace) -> None:
     if args.format == "csv":
         for note in table.notes:
             print(f"note: {note}", file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
-        print(f"wrote {args.out}", file=sys.stderr)
+    emit(text, args.out)
+
+
+def emit(text: str, out: str | None) -> None:
+    """Write ``text`` to the file ``out`` (saying so on stderr), or to stdout."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text, encoding="utf-8")
+        print(f"wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
 
@@ -105,6 +120,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from analysis.tables import ablation_table
         write_table(ablation_table(frame, args.ppl_dataset, args.longbench_metric,
                                    args.experiment), args)
+    elif args.command == "frontier":
+        from analysis.frontier import frontier_report
+        if args.experiment:
+            from analysis.select import experiment_of
+            frame = frame[experiment_of(frame) == args.experiment]
+        text, written = frontier_report(frame, args.metric, args.figures)
+        for path in written:
+            print(f"wrote {path}", file=sys.stderr)
+        emit(text, args.out)
     else:
         from analysis.plot import plot_rate_distortion
         if args.experiment:

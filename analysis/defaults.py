@@ -239,10 +239,29 @@ def long_note(frame: pd.DataFrame, column: str | None, others: list[str] | None 
         text = f"{header} = column {column} (not the 7-set LongBench F1 of METHODS.md §9.3)."
     else:
         text = f"the {column} column stands in for LongBench F1 (it is not LongBench)."
+    text += protocol_text(frame, column)  # issue 13
     if others:
         text += (" Also in the result files: " + ", ".join(others)
                  + " (choose with --longbench-metric).")
     return text
+
+
+# --- issue 13: label the generation protocol (METHODS.md §9.5) ---
+def protocol_text(frame: pd.DataFrame, column: str) -> str:
+    """`` Protocol: query-agnostic.`` for the block of ``column`` (its ``<block>.protocol``
+    column, longest matching block name), or "" when the runs do not record one."""
+    blocks = sorted((c[: -len(".protocol")] for c in frame.columns if c.endswith(".protocol")),
+                    key=len, reverse=True)
+    block = next((b for b in blocks if column.startswith(b + "_")), None)
+    if block is None:
+        return ""
+    ok = ok_runs(frame)
+    values = sorted({str(v) for v in ok[f"{block}.protocol"] if isinstance(v, str)})
+    if not values:
+        return ""
+    return (" Protocol: " + ", ".join(v.replace("_", "-") for v in values)
+            + (" (mixed: rows are not comparable)" if len(values) > 1 else "") + " (METHODS.md §9.5).")
+# --- end of the issue 13 block ---
 
 
 # ---------------------------------------------------------------- zero-shot

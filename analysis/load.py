@@ -187,6 +187,14 @@ def zeroshot_text_columns(metrics: dict) -> dict[str, Any]:
     return out
 
 
+# --- issue 13: the generation protocol of each long-context block (METHODS.md §9.5) ---
+def protocol_columns(metrics: dict) -> dict[str, Any]:
+    """``<block>.protocol`` (query_aware / query_agnostic) of each metric block that records one."""
+    return {f"{name}.protocol": block["protocol"] for name, block in metrics.items()
+            if isinstance(block, dict) and isinstance(block.get("protocol"), str)}
+# --- end of the issue 13 block ---
+
+
 def flatten_record(record: dict, source: str) -> dict[str, Any]:
     """One validated record -> one flat row (see the module docstring for the columns)."""
     config = record.get("config") or {}
@@ -205,6 +213,7 @@ def flatten_record(record: dict, source: str) -> dict[str, Any]:
     metrics = record.get("metrics") or {}
     row.update(flatten_metrics(metrics))
     row.update(zeroshot_text_columns(metrics))
+    row.update(protocol_columns(metrics))  # issue 13
     counts = record.get("counts")
     if isinstance(counts, dict):
         row.update(flatten_dotted(counts, "counts"))

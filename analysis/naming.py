@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-METHOD_ORDER = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o", "snapkv"]
+METHOD_ORDER = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o", "snapkv", "compose"]
 
 METHOD_NAMES = {
     "fp16": "FP16",
@@ -20,6 +20,7 @@ METHOD_NAMES = {
     "cobra_kl": "KV-COBRA-KL",
     "h2o": "H2O",
     "snapkv": "SnapKV",
+    "compose": "Compose",  # named by its parts where the options say them (plot.line_label)
 }
 
 MODEL_ORDER = ["llama3_8b", "mistral_7b", "qwen25_7b", "smollm2_135m"]

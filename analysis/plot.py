@@ -25,15 +25,15 @@ from typing import Sequence
 
 import pandas as pd
 
-from analysis.budget import bpd_task_of, is_fp16, is_kv_track, measured_sides
+from analysis.budget import budget_target, bpd_task_of, is_fp16, is_kv_track, measured_sides
 from analysis.defaults import choose_long_metric, choose_ppl_datasets, long_header, zeroshot_tasks
 from analysis.derived import add_ppl_summaries
 from analysis.load import NoResultsError, metric_columns, warn
 from analysis.naming import (
     METHOD_ORDER, MODEL_ORDER, method_name, model_name, order_key, ppl_dataset_name,
 )
-from analysis.select import add_variants, describe_options, distinguishing_options, \
-    drop_duplicate_seeds, select_main
+from analysis.select import add_variants, distinguishing_options, drop_duplicate_seeds, \
+    line_label, select_main
 
 X_AXES = {"bpd_kv": "measured bits per dimension, (K + V)/2",
           "bpd_k": "measured key bits per dimension"}
@@ -111,10 +111,7 @@ def rate_distortion_points(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") 
     The input is the runs frame after ``add_ppl_summaries``; ablation runs are left out, as in
     the main table. x is the measured bpd of the metric's task (``bpd.by_task`` where present).
     """
-    frame, _ = select_main(add_variants(frame))
-    frame = drop_duplicate_seeds(frame)
-    mk, mv = measured_sides(frame, bpd_task_of(metric))
-    frame = frame.assign(_x=mk if x == "bpd_k" else (mk + mv) / 2)
+    frame = labelled_runs(frame, metric, x)
     ok = frame[(frame["status"] == "ok") & frame[metric].notna() & frame["_x"].notna()]
     if len(ok) < len(frame):
         warn(f"plot: {len(frame) - len(ok)} run(s) not drawn (status not ok, or no {metric} "
@@ -123,19 +120,36 @@ def rate_distortion_points(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") 
     rows = []
     for _, model_runs in ok.groupby("model", sort=False):
         for method, method_runs in model_runs.groupby("method", sort=False):
-            variants = list(method_runs.groupby("variant", sort=False))
-            keys = distinguishing_options([v.iloc[0]["options"] for _, v in variants])
-            for _, runs in variants:
-                opts = runs.iloc[0]["options"]
-                label = method_name(method) + (f" ({describe_options(opts, keys)})"
-                                               if keys else "")
+            for _, runs in method_runs.groupby("variant", sort=False):
+                first = runs.iloc[0]
+                label = first["label"]
                 ys = [float(v) * scale for v in runs[metric]]
                 rows.append({
-                    "model": runs.iloc[0]["model"], "method": method, "label": label,
+                    "model": first["model"], "method": method, "label": label,
                     "x": statistics.fmean(runs["_x"]), "y": statistics.fmean(ys),
                     "yerr": statistics.stdev(ys) if len(ys) >= 2 else 0.0, "n": len(ys),
+                    "target": budget_target(first["target_k"], first["target_v"]),
                 })
-    return pd.DataFrame(rows, columns=["model", "method", "label", "x", "y", "yerr", "n"])
+    return pd.DataFrame(rows, columns=["model", "method", "label", "x", "y", "yerr", "n", "target"])
+
+
+def labelled_runs(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") -> pd.DataFrame:
+    """The main (non-ablation) runs, one per (variant, seed), with ``_x`` (the measured bpd of
+    the metric's task) and ``label`` (:func:`line_label`; the options that tell a method's
+    variants apart are taken over all its runs, whatever their status)."""
+    frame, _ = select_main(add_variants(frame))
+    frame = drop_duplicate_seeds(frame)
+    if frame.empty:
+        return frame.assign(_x=pd.Series(dtype=float), label=pd.Series(dtype=object))
+    mk, mv = measured_sides(frame, bpd_task_of(metric))
+    frame = frame.assign(_x=mk if x == "bpd_k" else (mk + mv) / 2)
+    labels = pd.Series("", index=frame.index, dtype=object)
+    for (_, method), runs in frame.groupby(["model", "method"], sort=False):
+        variants = runs.groupby("variant", sort=False)
+        keys = distinguishing_options([v.iloc[0]["options"] for _, v in variants])
+        for idx, row in runs.iterrows():
+            labels[idx] = line_label(method, row["options"], keys)
+    return frame.assign(label=labels)
 
 
 def _slug(text: str) -> str:
@@ -190,6 +204,25 @@ def set_log_ticks(axis, lo: float, hi: float, base: int) -> None:
         axis.set_minor_formatter(NullFormatter())
 
 
+def log_axes(ax, xs: list[float], ys: list[float], metric: str, y_cap: float = math.inf
+             ) -> float | None:
+    """The log-2 bpd axis over ``xs`` and, for a perplexity, the log PPL axis over ``ys`` (up to
+    the largest value at or below ``y_cap``); returns the PPL axis top (None when linear)."""
+    ax.set_xscale("log", base=2)
+    lo, hi = padded_range(min(xs), max(xs)) if xs else (0.25, 16.0)
+    ax.set_xlim(lo, hi)
+    set_log_ticks(ax.xaxis, lo, hi, 2)
+    finite = [v for v in ys if math.isfinite(v) and v > 0]
+    if not (metric.startswith("ppl") and finite):
+        return None
+    ax.set_yscale("log")
+    top = max([v for v in finite if v <= y_cap] or [y_cap])
+    ylo, yhi = padded_range(min(finite), top, pad=1.08, min_ratio=1.5)
+    ax.set_ylim(ylo, yhi)
+    set_log_ticks(ax.yaxis, ylo, yhi, 10)
+    return yhi
+
+
 def draw_model_figure(points: pd.DataFrame, metric: str, x: str, title: str, ylabel: str):
     """The figure of one model's points (a matplotlib Figure; the caller saves and closes it)."""
     import matplotlib
@@ -201,7 +234,7 @@ def draw_model_figure(points: pd.DataFrame, metric: str, x: str, title: str, yla
     lines = sorted(points.groupby("label", sort=False),
                    key=lambda g: (order_key(g[1].iloc[0]["method"], METHOD_ORDER), g[0]))
     xs, ys = [], []
-    for label, line in lines:
+    for i, (label, line) in enumerate(lines):
         method = line.iloc[0]["method"]
         line = line.sort_values("x")
         if method == "fp16":
@@ -212,21 +245,12 @@ def draw_model_figure(points: pd.DataFrame, metric: str, x: str, title: str, yla
                         fontsize="small")
             ys.append(y)
             continue
-        color = colors(order_key(method, METHOD_ORDER)[0] % 10)
+        color = colors(i % 10)  # one colour per line (a method's variants and compositions differ)
         ax.errorbar(line["x"], line["y"], yerr=line["yerr"], marker="o", capsize=3,
                     color=color, label=label)
         xs += list(line["x"])
         ys += list(line["y"] - line["yerr"]) + list(line["y"] + line["yerr"])
-    ax.set_xscale("log", base=2)
-    lo, hi = padded_range(min(xs), max(xs)) if xs else (0.25, 16.0)
-    ax.set_xlim(lo, hi)
-    set_log_ticks(ax.xaxis, lo, hi, 2)
-    finite = [v for v in ys if math.isfinite(v) and v > 0]
-    if metric.startswith("ppl") and finite:
-        ax.set_yscale("log")
-        ylo, yhi = padded_range(min(finite), max(finite), pad=1.08, min_ratio=1.5)
-        ax.set_ylim(ylo, yhi)
-        set_log_ticks(ax.yaxis, ylo, yhi, 10)
+    log_axes(ax, xs, ys, metric)
     ax.set_xlabel(f"{X_AXES[x][0].upper()}{X_AXES[x][1:]}, {X_SYMBOLS[x]} (log scale)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize="medium")

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.load import warn
-from analysis.naming import DEFAULT_OPTIONS, FP16_BITS, SPLIT_ABLATION_METHODS
+from analysis.naming import DEFAULT_OPTIONS, FP16_BITS, SPLIT_ABLATION_METHODS, method_name
 
 METHOD_PREFIX = "config.method."
 IGNORED_METHOD_KEYS = {"name", "_target_"}
@@ -152,3 +152,14 @@ def options_sort_key(options: dict[str, Any]) -> tuple:
 def describe_options(options: dict[str, Any], keys: list[str]) -> str:
     """``"R=32, limit=8"`` for the given option names."""
     return ", ".join(f"{k}={options.get(k)}" for k in keys)
+
+
+def line_label(method: str, options: dict, keys: list[str]) -> str:
+    """A line's legend label: the method's name and the options that tell its variants apart;
+    a composition is named by its parts, ``SnapKV∘KIVI`` (METHODS.md §12)."""
+    if method == "compose" and options.get("evict") and options.get("codec"):
+        name = f"{method_name(options['evict'])}∘{method_name(options['codec'])}"
+        keys = [k for k in keys if k not in ("evict", "codec")]
+    else:
+        name = method_name(method)
+    return name + (f" ({describe_options(options, keys)})" if keys else "")

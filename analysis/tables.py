@@ -33,7 +33,7 @@ from analysis.naming import (
 )
 from analysis.select import (
     add_variants, describe_options, deviations, distinguishing_options, drop_duplicate_seeds,
-    experiment_of, is_split, options_sort_key, select_ablation, select_main,
+    experiment_of, is_split, line_label, options_sort_key, select_ablation, select_main,
 )
 
 DEFAULT_LONGBENCH_METRIC = "longbench_avg"
@@ -263,8 +263,7 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
     for options, runs in variants:
         first = runs.iloc[0]
         keys = distinguishing_options(siblings[_budget_key(first)])
-        label = method_name(first.method) + (f" ({describe_options(options, keys)})"
-                                             if keys else "")
+        label = line_label(first.method, options, keys)
         statuses = list(runs["status"])
         ok_used = {u for s, u in zip(statuses, runs["ppl_used"]) if s == "ok"} \
             if datasets else set()

@@ -7,6 +7,9 @@
   SnapKV's zero-shot path). Returns the log-probabilities of the targets.
 * ``generate(input_ids, max_new_tokens, stop_ids)`` — greedy decoding from a compressed cache
   (prefill exact, compress, decode per the method's rules). LongBench.
+* ``generate_split(input_ids, n_context, max_new_tokens, stop_ids)`` — the query-agnostic variant
+  (METHODS.md §9.5): the first ``n_context`` tokens are prefilled exactly and compressed alone, the
+  rest of the prompt goes through the compressed cache with decode semantics, then greedy decoding.
 
 With no compressor (FP16, or ``method=None``) the plain, unpatched model runs.
 
@@ -198,6 +201,64 @@ class CompressedLM:
 
             new = _greedy(step, input_ids, max_new_tokens, stop_ids)
             self._record(PREFILL, reads, 0, ends[0])
+        return new
+
+    @torch.no_grad()
+    def generate_split(
+        self, input_ids: torch.Tensor, n_context: int, max_new_tokens: int, stop_ids=()
+    ) -> list[int]:
+        """Query-agnostic greedy decoding (METHODS.md §9.5): the first ``n_context`` tokens are
+        prefilled exactly and compressed alone; the rest of the prompt (question, answer prefix,
+        chat-template tail) is fed through the compressed cache with decode semantics (one
+        multi-token pass: a chunk of T tokens gives what T single-token steps give, methods/base.py),
+        then greedy decoding as :meth:`generate`.
+
+        With ``n_context`` covering the whole prompt this is :meth:`generate`. Measured bpd keeps
+        the prefill-exact convention: the headline is the cache at the end of the exact (context)
+        prefill; ``decode_mean`` covers the question tokens and the decoded ones.
+        """
+        input_ids = input_ids.to(self.device)
+        self._check_batch(input_ids)
+        t = input_ids.shape[1]
+        if not 0 < n_context <= t:
+            raise ValueError(f"n_context={n_context} must be in 1..{t} (the prompt's length)")
+        if n_context == t:
+            return self.generate(input_ids, max_new_tokens, stop_ids)
+        context, query = input_ids[:, :n_context], input_ids[:, n_context:]
+        if self.compressor is None:
+            name, state = cache_argument(self.model), {}
+
+            def run(ids):
+                extra = {name: state["cache"]} if "cache" in state else {}
+                out = self.model(input_ids=ids, use_cache=True, **extra, **last_logits(self.model))
+                state["cache"] = returned_cache(out)
+                return out.logits[:, -1]
+
+            def step(ids, pos):
+                if pos == 0:
+                    run(context)
+                    return run(query)
+                return run(ids)
+
+            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
+            self._record(PREFILL, [], query.shape[1] + len(new) - 1)
+            return new
+        comp = self.compressor
+        with comp.session():
+            ends, reads = [], []
+
+            def step(ids, pos):
+                if pos == 0:
+                    comp.forward(context, 0, prefill=True, last=1)
+                    ends.append(comp.measured_bpd())
+                    logits = comp.forward(query, n_context, prefill=False, last=1)[:, -1]
+                else:
+                    logits = comp.forward(ids, pos, prefill=False, last=1)[:, -1]
+                reads.append(comp.read_bpd())
+                return logits
+
+            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
+            self._record(PREFILL, [r for r in reads if r is not None], 0, ends[0])
         return new
 
 

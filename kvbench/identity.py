@@ -2,7 +2,8 @@
 
 A job's identity is the SHA-256 of its resolved config with the keys that cannot change its
 result removed: where it writes (``hydra.*``, output paths), whether to redo it (``rerun``), how it
-is tracked (``wandb.*``) and pure labels (``experiment``, ``main_row``, ``ablation_row``: the rows
+is tracked (``wandb.*``) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
+``frontier_row``: the rows
 of conf/experiment/* only select other keys, which are hashed themselves). Everything else —
 model, method and its options, budgets, seed, tasks, limits, protocol and calibration settings,
 input data paths, device — is part of it. The hash is stored in ``result.json`` as ``job_id``; a
@@ -26,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from .results import FINISHED
 
 #: top-level keys left out of the identity (they do not change what the job computes)
-EXCLUDED_KEYS = frozenset({"hydra", "rerun", "wandb", "experiment", "main_row", "ablation_row"})
+EXCLUDED_KEYS = frozenset({"hydra", "rerun", "wandb", "experiment", "main_row", "ablation_row",
+                           "frontier_row"})
 ID_LENGTH = 16
 
 

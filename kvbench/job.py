@@ -25,7 +25,7 @@ from .tracking import log_result
 
 log = logging.getLogger("kvbench")
 
-TASKS = ("ppl", "zeroshot", "longbench")
+TASKS = ("ppl", "zeroshot", "longbench", "ruler")
 PREDICTIONS_FILE = "predictions.json"
 _MODELS: dict[tuple, LoadedModel] = {}
 
@@ -153,7 +153,8 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
 
         # the task's own item seed, never cfg.seed: every method and job seed gets the same items
         out = evaluate_longqa_squad(lm, n_items=_limit(cfg, lb) or 20,
-                                    item_seed=int(lb.get("item_seed", 0)))
+                                    item_seed=int(lb.get("item_seed", 0)),
+                                    query_aware=_query_aware(lb, "task.longbench", True))
         result["predictions"]["longqa_squad"] = out.pop("records")
         result["counts"]["longqa_squad_items"] = out["n"]
         result["metrics"]["longqa_squad"] = out
@@ -161,14 +162,49 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
         from .evals.longbench import evaluate_longbench
 
         out = evaluate_longbench(
-            lm, real, lb.get("data_dir"), _limit(cfg, lb), lb.max_length, bool(cfg.model.chat)
+            lm, real, lb.get("data_dir"), _limit(cfg, lb), lb.max_length, bool(cfg.model.chat),
+            query_aware=_query_aware(lb, "task.longbench", True),
         )
         result["predictions"]["longbench"] = out.pop("records")
         result["counts"]["longbench_items"] = out.pop("counts")
         result["metrics"]["longbench"] = out
 
 
-TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench}
+# --- issue 13: RULER and the query-aware / query-agnostic switch (METHODS.md §9.4, §9.5) ---
+def _query_aware(task_cfg, name: str, default: bool) -> bool:
+    from .evals.query_split import as_bool
+
+    value = task_cfg.get("query_aware", None) if task_cfg is not None else None
+    return default if value is None else as_bool(value, f"{name}.query_aware")
+
+
+def run_ruler(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
+    """RULER (``ruler``, or ``ruler_wiki`` on stand-in data); query-agnostic unless
+    ``task.ruler.query_aware=true``; the task's own item seed, never cfg.seed."""
+    from .evals.ruler import evaluate_ruler
+
+    r = cfg.task.get("ruler") or {}
+    tasks = r.get("tasks")
+    out = evaluate_ruler(
+        lm,
+        tasks=None if tasks is None else list(tasks),
+        lengths=list(r.get("lengths", [4096])),
+        limit=_limit(cfg, r),
+        query_aware=_query_aware(r, "task.ruler", False),
+        essays=r.get("essays"),
+        squad=r.get("squad"),
+        hotpot=r.get("hotpot"),
+        item_seed=int(r.get("item_seed", 0)),
+        chat=bool(cfg.model.chat) if r.get("chat") is None else bool(r.get("chat")),
+    )
+    name = out["benchmark"]
+    result["predictions"][name] = out.pop("records")
+    result["counts"][f"{name}_items"] = out["counts"]
+    result["metrics"][name] = out
+
+
+TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench, "ruler": run_ruler}
+# --- end of the issue 13 block ---
 
 
 def free_device_memory() -> None:
@@ -278,6 +314,13 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             method = split_for_job(cfg, loaded, name, options, bpd_k, bpd_v, stats, result, timings)
         # --- end of the issue 12 hook ---
         method.configure(shape, bpd_k, bpd_v)
+        # --- issue 14 (cobra_plus): per-layer sensitivity measured on calibration windows ---
+        if stats is not None and getattr(method, "wants_layer_sensitivity", lambda: False)():
+            from .layer_sensitivity import sensitivity_for_job
+
+            sensitivity_for_job(loaded, method, stats, spec, int(cfg.seed), calibration_model_id(cfg, loaded),
+                                result, timings)
+        # --- end of the issue 14 hook ---
         if stats is not None:
             t0 = time.perf_counter()
             method.calibrate(stats, seed=int(cfg.seed))

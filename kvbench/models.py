@@ -40,7 +40,9 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+    """``$KVBENCH_CACHE``, or ``~/.cache/kvbench`` when it is unset or empty (an empty value would
+    otherwise put the cache in the working directory)."""
+    return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -10,6 +10,7 @@ import dataclasses
 
 from .base import KVMethod, LayerState, LayerStats, ModelShape, Regime, Rope, Unsupported
 from .cobra import CobraKL, CobraMSE
+from .cobra_plus import CobraPlus
 from .compose import Compose
 from .fp16 import Fp16
 from .h2o import H2O
@@ -25,6 +26,7 @@ REGISTRY: dict[str, type[KVMethod]] = {
     "kqsvd": KQSVD,
     "cobra_mse": CobraMSE,
     "cobra_kl": CobraKL,
+    "cobra_plus": CobraPlus,  # issue 14: KV-COBRA repaired (METHODS.md §13)
     "h2o": H2O,
     "snapkv": SnapKV,
     "compose": Compose,  # issue 12: eviction x codec (METHODS.md §12)

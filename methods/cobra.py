@@ -23,6 +23,7 @@ from .cobra_alloc import (
     c1_batch,
     c2_allocate,
     exact_allocate,
+    kkt_allocate,
     prefix_terms,
     q_gauss,
     split_bits,
@@ -42,7 +43,8 @@ from .latent_codec import (
     value_plan,
 )
 
-C2_MODES = {True: "seed", False: "uniform", "seed": "seed", "uniform": "uniform", "exact": "exact"}
+C2_MODES = {True: "seed", False: "uniform", "seed": "seed", "uniform": "uniform", "exact": "exact",
+            "kkt": "kkt"}  # issue 14: "kkt" = C2 with KKT slope equalization (§5.11c)
 
 
 def rope_average(m: torch.Tensor) -> torch.Tensor:
@@ -176,7 +178,7 @@ class Cobra(KVMethod):
                 raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} not in {valid}")
         check_step(self.name, self.step)
         if self.c2 not in C2_MODES:
-            raise ValueError(f"{self.name}: c2={self.c2!r} must be true, false or 'exact'")
+            raise ValueError(f"{self.name}: c2={self.c2!r} must be true, false, 'exact' or 'kkt'")
         if not self.b_max <= 8:
             raise ValueError("b_max must be <= 8 (bit packing)")
         self._shape: ModelShape | None = None
@@ -222,6 +224,8 @@ class Cobra(KVMethod):
             return uniform_allocate(w.shape[0], self._total_bits)
         if mode == "exact":
             return exact_allocate(w, self._total_bits, **kw)
+        if mode == "kkt":  # issue 14 (§5.11c)
+            return kkt_allocate(w, self._total_bits, **kw)
         return c2_allocate(w, self._total_bits, eta=self.eta, iters=self.c2_iters, **kw)
 
     def calibrate(self, stats, seed=0):

@@ -220,18 +220,38 @@ def exact_allocate(
     i.e. a vertex of its lower convex hull), then greedy fill of the remaining bits by the best
     distortion decrease per bit, then single-bit exchanges while they lower the total."""
     grid, table = distortion_table(w, b_min=b_min, b_max=b_max, rank_step=rank_step, q_model=q_model, qsum=qsum)
+    return solve_table(grid, table, total_bits)
+
+
+# --- issue 14 (cobra_plus): the exact solver on any table, KKT slope equalization (§5.11c) ---
+
+
+def solve_table(grid: torch.Tensor, table: torch.Tensor, total_bits: int) -> torch.Tensor:
+    """Integer budgets [H] (from ``grid`` [K]) minimizing sum_h table[h, B_h] with sum = total_bits:
+    the solver of :func:`exact_allocate` on a given table. ``+inf`` entries are infeasible budgets
+    (each row's finite entries must be one contiguous run: a head with its own [B_min, B_max], as
+    the value heads of the joint K/V allocation, whose budgets start at d bits)."""
     n, k = table.shape
-    lo = int(grid[0])
+    finite = torch.isfinite(table)
+    if not bool(finite.any(1).all()):
+        raise ValueError("solve_table: every head needs at least one feasible budget")
+    cols = torch.arange(k, device=table.device)
+    first = torch.where(finite, cols, k).min(1).values
+    last = torch.where(finite, cols, -1).max(1).values
     total_bits = int(total_bits)
-    if not n * lo <= total_bits <= n * int(grid[-1]):
-        raise ValueError(f"total_bits={total_bits} outside [{n * lo}, {n * int(grid[-1])}] for {n} heads")
+    lo_sum, hi_sum = int(grid[first].sum()), int(grid[last].sum())
+    if not lo_sum <= total_bits <= hi_sum:
+        raise ValueError(f"total_bits={total_bits} outside [{lo_sum}, {hi_sum}] for {n} heads")
     gf = grid.to(torch.float64)
+    rows = torch.arange(n, device=table.device)
 
     def pick(nu: float) -> torch.Tensor:
         return torch.argmin(table + nu * gf, dim=1)  # first minimum = smaller B
 
-    slope = (table[:, :1] - table).clamp(min=0) / (gf - gf[0]).clamp(min=1)
-    nu_lo, nu_hi = 0.0, float(slope.max()) + 1.0  # at nu_hi every head sits at B_min
+    t0 = table[rows, first][:, None]
+    slope = torch.where(finite, (t0 - table).clamp(min=0), torch.zeros_like(table))
+    slope = slope / (gf[None, :] - gf[first][:, None]).clamp(min=1)
+    nu_lo, nu_hi = 0.0, float(slope.max()) + 1.0  # at nu_hi every head sits at its B_min
     if int(grid[pick(nu_lo)].sum()) <= total_bits:
         nu_hi = nu_lo
     for _ in range(200):
@@ -243,14 +263,13 @@ def exact_allocate(
         if nu_hi - nu_lo <= 1e-15 * max(nu_hi, 1e-300):
             break
     idx = pick(nu_hi)
-    rows = torch.arange(n, device=w.device)
     rem = total_bits - int(grid[idx].sum())
     while rem > 0:  # greedy fill: best decrease per bit among moves that fit
-        steps = torch.arange(1, min(rem, k - 1) + 1, device=w.device)
+        steps = torch.arange(1, min(rem, k - 1) + 1, device=table.device)
         tgt = idx[:, None] + steps[None, :]
-        ok = tgt < k
         cur = table[rows, idx][:, None]
         new = table[rows[:, None], tgt.clamp(max=k - 1)]
+        ok = (tgt < k) & torch.isfinite(new)
         ratio = torch.where(ok, (cur - new) / steps.to(torch.float64), torch.full_like(new, -float("inf")))
         flat = int(torch.argmax(ratio))
         h, s = divmod(flat, steps.numel())
@@ -266,6 +285,81 @@ def exact_allocate(
         idx[up] += 1
         idx[down] -= 1
     return grid[idx]
+
+
+POLISH_MOVES = (1, 2, 4, 8, 16, 32)  # exchange sizes (bits) of kkt_allocate's final polish
+
+
+def kkt_allocate(
+    w: torch.Tensor,
+    total_bits: int,
+    iters: int = 30,
+    eta: float = 0.7,
+    *,
+    b_min: int = B_MIN_BITS,
+    b_max: int = B_MAX_BITS,
+    rank_step: int = 2,
+    q_model: str = "seed",
+    qsum: torch.Tensor | None = None,
+    polish: int | None = None,
+) -> torch.Tensor:
+    """C2 with KKT slope equalization (§5.11c): at the optimum of sum_h D*_h(B_h) with sum B_h = B_tot
+    every unclamped head has the same marginal -dD*_h/dB, not the same D*_h (the seed's fixed
+    point). Iterated like C2 (``iters`` damped updates from B_bar, clamped and renormalized), with
+    the update of the exponential model D ~ 2^(-2B/r): log2 of the slope falls by 2/r per bit, so
+    head h moves by eta (r_h/2) (log2 g_h - log2 g*), g* the r-weighted geometric mean (the moves
+    sum to zero). Slopes are central differences of D* at B_h +- 1 (one-sided at the bounds).
+    Then largest-remainder rounding and up to ``polish`` (default 4 H) exchanges of s bits
+    (s in :data:`POLISH_MOVES`) from the head that loses least to the one that gains most, each
+    from 2 |moves| + 1 C1 evaluations per head; the result is a local optimum under those moves
+    (D* is not convex in B: rank switches make it a staircase, so slopes alone can stall).
+
+    Decisions where METHODS.md is silent: eta = 0.7 and 30 iterations (a Newton step of the
+    exponential model converges in a few when the ranks settle); slopes floored at 1e-300."""
+    tail, qs = _terms(w, qsum)
+    n, d = w.shape
+    lo, hi = budget_range(d, b_min, b_max, rank_step)
+    total_bits = int(total_bits)
+    if not n * lo <= total_bits <= n * hi:
+        raise ValueError(f"total_bits={total_bits} outside [{n * lo}, {n * hi}] for {n} heads")
+    kw = dict(b_min=b_min, b_max=b_max, rank_step=rank_step, q_model=q_model)
+    b = torch.full((n,), total_bits / n, dtype=torch.float64, device=w.device)
+    one = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64, device=w.device)
+    for _ in range(iters):
+        probe = (b[:, None] + one).clamp(lo, hi)
+        rank, _, dist = c1_batch(tail, qs, probe, **kw)
+        g = ((dist[:, 0] - dist[:, 2]) / (probe[:, 2] - probe[:, 0]).clamp(min=1e-9)).clamp(min=1e-300)
+        r = rank[:, 1].to(torch.float64).clamp(min=rank_step)
+        lg = torch.log2(g)
+        free = (b > lo) | (lg > (r * lg).sum() / r.sum())  # a head at B_min only moves up
+        free = free & ((b < hi) | (lg < (r * lg).sum() / r.sum()))
+        if not bool(free.any()):
+            break
+        target = (r * lg)[free].sum() / r[free].sum()
+        move = torch.where(free, eta * 0.5 * r * (lg - target), torch.zeros_like(b))
+        b = renormalize(b + move, total_bits, lo, hi)
+    idx = largest_remainder(b, total_bits, lo, hi)
+    moves = torch.tensor(POLISH_MOVES, dtype=torch.float64, device=w.device)
+    for _ in range(4 * n if polish is None else polish):
+        cur = idx.to(torch.float64)
+        probe = torch.cat([cur[:, None], cur[:, None] + moves, cur[:, None] - moves], 1)
+        dist = c1_batch(tail, qs, probe.clamp(lo, hi), **kw)[2]
+        m = moves.numel()
+        inf = torch.full_like(dist[:, 1 : 1 + m], float("inf"))
+        gain = torch.where(cur[:, None] + moves <= hi, dist[:, :1] - dist[:, 1 : 1 + m], -inf)  # [H, M]
+        loss = torch.where(cur[:, None] - moves >= lo, dist[:, 1 + m :] - dist[:, :1], inf)
+        g_best, up = gain.max(0)
+        l_best, down = loss.min(0)
+        net = torch.where(up != down, g_best - l_best, torch.full_like(g_best, -float("inf")))
+        j = int(torch.argmax(net))
+        if not net[j] > 1e-15 * float(dist[:, 0].sum().abs()):
+            break
+        idx[int(up[j])] += int(moves[j])
+        idx[int(down[j])] -= int(moves[j])
+    return idx
+
+
+# --- end of the issue 14 additions ---
 
 
 def split_bits(budget: int, rank: int) -> list[int]:

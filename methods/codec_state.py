@@ -18,7 +18,7 @@ import torch
 
 from .attention import causal_attention
 from .base import LayerState, Rope, apply_rope
-from .kivi import Growing
+from .kivi import Growing, host_ops
 
 
 class Codec:
@@ -34,6 +34,13 @@ class Codec:
 
     def bits(self, packed) -> int:
         raise NotImplementedError
+
+    def encode_decode(self, x: torch.Tensor):
+        """(packed, decoded) of a block: what a cache layer stores and the working copy it reads.
+        Codecs override it when they can decode without reading their packed stream back (the
+        same result, fewer ops)."""
+        packed = self.encode(x)
+        return packed, self.decode(packed)
 
 
 @dataclass
@@ -90,18 +97,18 @@ class CodecLayerState(LayerState):
         if codec.pre_rope:
             if k_pre is None or rope is None:
                 raise ValueError("a pre-RoPE key codec needs k_pre and rope")
-            packed = codec.encode(k_pre)
-            return packed, apply_rope(codec.decode(packed).to(k.dtype), rope)
-        packed = codec.encode(k)
-        return packed, codec.decode(packed).to(k.dtype)
+            packed, k_hat = codec.encode_decode(k_pre)
+            return packed, apply_rope(k_hat.to(k.dtype), rope)
+        packed, k_hat = codec.encode_decode(k)
+        return packed, k_hat.to(k.dtype)
 
     def _store(self, key_codec, value_codec, k, v, k_pre, rope):
         """Encode one run of tokens with one pair of codecs; returns decoded (k, v) and their bits."""
         k_packed, k_hat = self._encode_keys(key_codec, k, k_pre, rope)
-        v_packed = value_codec.encode(v)
+        v_packed, v_hat = value_codec.encode_decode(v)
         self._k_packed.append((key_codec, k_packed))
         self._v_packed.append((value_codec, v_packed))
-        return k_hat, value_codec.decode(v_packed).to(v.dtype), key_codec.bits(k_packed), value_codec.bits(v_packed)
+        return k_hat, v_hat.to(v.dtype), key_codec.bits(k_packed), value_codec.bits(v_packed)
 
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
         if prefill and self._seen:
@@ -146,11 +153,13 @@ _EXACT = ExactCodec()
 def cumulative_bits(prior: float, runs: list[tuple[int, float]]) -> torch.Tensor:
     """Bits held after each new token, float64 CPU [sum of tokens]: ``prior`` plus the runs'
     bits (tokens, bits), spread evenly over each run's tokens. One run is a straight line (one
-    op); one token (a decode step) no tensor arithmetic at all."""
-    if len(runs) == 1:
-        n, b = runs[0]
-        if n == 1:
-            return torch.tensor([prior + b], dtype=torch.float64)
-        return torch.linspace(prior + b / n, prior + b, n, dtype=torch.float64)
-    per = torch.cat([torch.full((n,), b / n, dtype=torch.float64) for n, b in runs])
-    return per.cumsum_(0).add_(prior)
+    op, on the host: :func:`methods.kivi.host_ops`); one token (a decode step) no tensor
+    arithmetic at all."""
+    if len(runs) == 1 and runs[0][0] == 1:
+        return torch.tensor([prior + runs[0][1]], dtype=torch.float64)
+    with host_ops():  # CPU tensors: no kernel on a GPU (methods.kivi.HOST_RANGE)
+        if len(runs) == 1:
+            n, b = runs[0]
+            return torch.linspace(prior + b / n, prior + b, n, dtype=torch.float64)
+        per = torch.cat([torch.full((n,), b / n, dtype=torch.float64) for n, b in runs])
+        return per.cumsum_(0).add_(prior)

@@ -43,9 +43,12 @@ H2O's decode eviction:
   the remaining members keep their decoded values. A quantized value (per-token groups) goes with
   its token.
 
-The reads (what each query held, METHODS.md §0 v2) are exact per head from these rules. KIVI's
-per-query mix of exact and quantized versions changes with the query position, so a decode chunk
-runs token by token through the eviction state (one pass = decoding by construction).
+The reads (what each query held, METHODS.md §0 v2) are exact per head from these rules. Under
+H2O, KIVI's per-query mix of exact and quantized versions changes with the query position and
+eviction, so a decode chunk runs token by token through the eviction state (one pass = decoding
+by construction). SnapKV never evicts after its prefill, so compose(snapkv, kivi) hands the kept
+prompt to KIVI's own layer state (:class:`SnapKiviState`) and a chunk takes KIVI's one-pass path:
+PPL track B's 512 targets in one call instead of 512.
 
 **Budget** (§12): bpd = kept share x codec bits per kept element + eviction state (H2O: an fp32
 score per kept token and KV head, 16/d per element and side; SnapKV: none). Without ``v_bpd`` the
@@ -412,6 +415,8 @@ class Compose(KVMethod):
             if cs.exact_first:
                 raise ValueError("compose: a codec with exact_first tokens is not supported")
             return TokenwiseComposedState(ev, cs.key_codec, cs.value_codec)
+        if isinstance(cs, KiviLayerState) and isinstance(ev, SnapKVLayerState):
+            return SnapKiviState(ev, cs)
         if isinstance(cs, KiviLayerState):
             return KiviComposedState(ev, cs.bits, cs.group, cs.residual, cs.v_bits, cs.v_group)
         raise ValueError(
@@ -572,7 +577,10 @@ class KiviComposedState(_ComposedState):
 
     Codec-side edits of held tokens (a key group's flush, a value leaving the residual) are written
     into the eviction's storage (``kept_kv``/``replace_kept_kv``). Held tokens are in ascending
-    arrival order in both evictions (H2O keeps ascending positions; SnapKV appends)."""
+    arrival order in both evictions (H2O keeps ascending positions; SnapKV appends). The job
+    builds it for H2O; SnapKV, which never evicts after its prefill, gets :class:`SnapKiviState`
+    (KIVI's own state on the kept sequence, its one-pass chunk path included), and this class on
+    SnapKV is the independent reference the tests hold it to."""
 
     evict: LayerState
     bits: int
@@ -586,15 +594,10 @@ class KiviComposedState(_ComposedState):
         self._flushed = 0  # keys with arrival index below this are quantized (a multiple of R)
         self._prompt = None  # (P, C_0, rank [B, H, P]) after an exact prefill
         self._meta_bits = 32  # fp16 scale + fp16 minimum per group (read from the packed groups)
-        # SnapKV never evicts after its prefill: held token i is arrival i, counts in closed form
-        self._append_only = isinstance(self.evict, SnapKVLayerState)
 
     # -- arrival indices ------------------------------------------------------------------------
     def arrivals(self) -> torch.Tensor:
         """Arrival index [B, H, C] of every held token, in the eviction's stored order."""
-        if self._append_only:
-            k, _ = self.evict.kept_kv()
-            return torch.arange(k.shape[2], device=k.device).expand(*k.shape[:3])
         pos = kept_positions(self.evict)
         if self._prompt is None:
             return pos
@@ -647,10 +650,6 @@ class KiviComposedState(_ComposedState):
             return
         _, v = self.evict.kept_kv()
         g = self._value_group(v.shape[-1])
-        if self._append_only:
-            x = v[:, :, a : a + 1]
-            x.copy_(dequantize_groups(quantize_groups(x, self.v_bits, g, axis=3)))
-            return
         hit = self.arrivals() == a  # [B, H, C]: at most one held token per head
         j = hit.to(torch.int8).argmax(dim=-1)[..., None, None].expand(*hit.shape[:2], 1, v.shape[-1])
         x = v.gather(2, j)
@@ -668,12 +667,6 @@ class KiviComposedState(_ComposedState):
         g_v = self._value_group(d)
         per_qv = self.v_bits * d + (d // g_v) * self._meta_bits if self.v_bits is not None else 16 * d
         r = self.residual
-        if self._append_only:  # every head holds arrivals 0..n-1
-            n_qk, n_qv = min(self._flushed, n), max(0, min(n, self._arrived - r))
-            alive = self._flushed // self.group
-            bk = b * h * (n_qk * self.bits * d + (n - n_qk) * 16 * d + alive * self._meta_bits * d)
-            bv = b * h * (n_qv * per_qv + (n - n_qv) * 16 * d)
-            return torch.tensor(float(bk), dtype=torch.float64), torch.tensor(float(bv), dtype=torch.float64)
         arr = self.arrivals()
         qk = arr < self._flushed
         gid = torch.div(arr, self.group, rounding_mode="floor")
@@ -729,4 +722,43 @@ class KiviComposedState(_ComposedState):
         sk, sv = state_token_bits(self.evict)
         n = self.evict.n_kept
         return round(float(hk) + n * sk), round(float(hv) + n * sv)
+
+
+class SnapKiviState(LayerState):
+    """compose(snapkv, kivi): SnapKV selects at the end of the exact prefill and never evicts
+    after it, so the composition is KIVI on the kept sequence (arrival = index, module docstring).
+    The kept prompt, in position order, is handed to KIVI's own layer state as its prompt
+    (``KiviLayerState.store_prompt``); from there KIVI stores, attends and counts by its own rules,
+    its one-pass form of a decode chunk included (PPL track B's 512 scored targets are one call,
+    not 512). SnapKV keeps no state beyond the tokens, so the bits are KIVI's."""
+
+    def __init__(self, evict: SnapKVLayerState, kivi: KiviLayerState):
+        self.evict, self.kivi = evict, kivi
+        self._dropped = 0  # prompt tokens SnapKV evicted
+
+    def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
+        if prefill:
+            out = self.evict.attend(q, k, v, scaling=scaling, prefill=True)
+            k_kept, v_kept = self.evict.kept_kv()
+            self.kivi.store_prompt(k_kept, v_kept)
+            self._dropped = k.shape[2] - k_kept.shape[2]
+            self.evict = None  # its tokens now live in the KIVI state
+            self._reads = None
+            return out
+        if self.evict is not None:  # nothing prefilled: SnapKV's own refusal (no one-pass form)
+            return self.evict.attend(q, k, v, scaling=scaling, prefill=False)
+        out = self.kivi.attend(q, k, v, scaling=scaling, prefill=False)
+        self._reads = self.kivi.read_bits()
+        return out
+
+    def stored_bits(self):
+        return self.kivi.stored_bits()
+
+    @property
+    def n_seen(self):
+        return self._dropped + self.kivi.n_seen
+
+    @property
+    def n_kept(self) -> int:
+        return self.kivi.n_seen
 

@@ -219,14 +219,16 @@ def dequantize(code: torch.Tensor, step: torch.Tensor, bits: torch.Tensor | int)
 
 # ---- mixed-width packing -------------------------------------------------------------------------
 
-_BLOCK_BITS = 1 << 22  # stream bits per block: bounds the temporaries of pack_codes/unpack_codes
+_BLOCK_BITS = 1 << 23  # stream bits per block: bounds the temporaries of pack_codes/unpack_codes
 
 
 @lru_cache(maxsize=256)
 def _layout_for(widths: tuple[int, ...], device: str):
     """The static layout of a row of widths b_j. ``g`` rows (g = 8 / gcd(sum b, 8)) end on a byte
     boundary; in such a super-row, code i starts at bit ``off_i`` = byte ``off_i >> 3``, shift
-    ``off_i & 7``, and (b_i <= 8) spills at most into the next byte."""
+    ``off_i & 7``, and (b_i <= 8) spills at most into the next byte. Last: the common width when
+    every b_j is the same 1, 2, 4 or 8 (whole codes per byte: the fast path), else 0, and the
+    shifts of one byte's codes for it (uint8)."""
     w = torch.tensor(widths, dtype=torch.long)
     row_bits = int(w.sum())
     g = 8 // math.gcd(row_bits, 8) if row_bits else 1
@@ -235,50 +237,109 @@ def _layout_for(widths: tuple[int, ...], device: str):
     dev = torch.device(device)
     row_bytes = g * row_bits // 8
     byte = (off >> 3).clamp(max=max(row_bytes - 1, 0))  # a 0-bit code at a row's end adds nothing
+    same = widths[0] if widths and all(b == widths[0] for b in widths) and widths[0] in (1, 2, 4, 8) else 0
+    shifts = torch.arange(0, 8, max(same, 1), dtype=torch.uint8).to(dev)
     return (g, row_bits, row_bytes, byte.to(dev),
-            (off & 7).to(dev, torch.int32), ((1 << wg) - 1).to(dev, torch.int32))
+            (off & 7).to(dev, torch.int32), ((1 << wg) - 1).to(dev, torch.int32), same, shifts)
 
 
-def _layout(widths: torch.Tensor, device):
-    """Cached :func:`_layout_for` (pass ``widths`` on the CPU to avoid a device sync)."""
-    return _layout_for(tuple(widths.tolist()), str(device))
+def _layout(widths, device):
+    """Cached :func:`_layout_for`; ``widths`` a tuple, or a CPU tensor (on a device it would sync)."""
+    return _layout_for(_key(widths), str(device))
+
+
+def _key(widths) -> tuple[int, ...]:
+    return widths if isinstance(widths, tuple) else tuple(widths.tolist())
+
+
+@lru_cache(maxsize=256)
+def _bit_sources(widths: tuple[int, ...], rows: int, device: str):
+    """Where each bit of the stream of ``rows`` rows comes from: for stream bit p (padded with
+    zeros to whole bytes), the code ``src[p]`` of the rows' flattened codes and its bit
+    ``bit[p]``; a padding bit reads a bit that is 0 in every in-range code (bit b_i of a code of
+    b_i < 8 bits). Also the position ``p & 7`` of each bit in its byte (uint8 [p] each)."""
+    w = torch.tensor(widths, dtype=torch.long).repeat(rows)
+    total = int(w.sum())
+    src = torch.repeat_interleave(torch.arange(w.numel()), w)
+    bit = torch.arange(total) - (torch.cumsum(w, 0) - w)[src]
+    pad = -total % 8
+    if pad:  # some code has b_i < 8 (else total would be a multiple of 8)
+        i = int(torch.nonzero(w < 8)[0, 0])
+        src = torch.cat([src, torch.full((pad,), i)])
+        bit = torch.cat([bit, torch.full((pad,), int(w[i]))])
+    dev = torch.device(device)
+    pos = torch.arange(total + pad, dtype=torch.uint8) & 7
+    return src.to(dev), bit.to(dev, torch.uint8), pos.to(dev)
+
+
+def prepare_layout(widths, device) -> None:
+    """Build (and cache) every layout :func:`pack_codes` may use for ``widths`` on ``device``:
+    the super-row's and those of 1..g-1 trailing rows (a decode step packs one row). Done by a
+    codec when it prepares its parameters, so that the hot path never builds one (their
+    construction syncs and costs a dozen ops)."""
+    key = _key(widths)
+    g, row_bits, *_ = _layout_for(key, str(device))
+    for rows in range(1, g + 1):
+        if row_bits:
+            _bit_sources(key, rows, str(device))
 
 
 def _block_rows(g: int, row_bits: int) -> int:
     return max(1, _BLOCK_BITS // max(g * row_bits, 1))  # super-rows per block
 
 
-def pack_codes(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+def _pack_rows(c: torch.Tensor, widths: tuple[int, ...], rows: int) -> torch.Tensor:
+    """Rows of ``rows`` consecutive code rows each, c [M', rows * n] (uint8), to their streams
+    [M', ceil(rows * sum(b) / 8)]: stream bit p is bit ``bit[p]`` of code ``src[p]``
+    (:func:`_bit_sources`), gathered, isolated, moved to its place in the byte and summed."""
+    src, bit, pos = _bit_sources(widths, rows, str(c.device))
+    b = (torch.gather(c, 1, src.expand(c.shape[0], -1)) >> bit) & 1
+    return (b << pos).reshape(c.shape[0], -1, 8).sum(-1, dtype=torch.uint8)
+
+
+def pack_codes(codes: torch.Tensor, widths) -> torch.Tensor:
     """Pack ``codes`` [M, n] (code j < 2**widths[j]) into one uint8 stream of ceil(M*sum(b)/8) bytes.
 
-    Per super-row of g rows (byte-aligned), each code shifted to its bit offset is added into the
-    byte it starts in (the bits of different codes never overlap, so + is |), then every byte's
-    overflow above 8 bits is carried into the next byte."""
+    ``codes``: integers, or floats holding exact integers (a quantizer's codes before their cast);
+    ``widths``: [n] on the CPU, or a tuple. Every g rows (g = 8 / gcd(sum b, 8)) end on a byte
+    boundary; per such super-row (and once for the last M mod g rows), each stream bit is gathered
+    from its code (:func:`_pack_rows`: 6 ops in all, independent of the widths). One width for
+    every code, 1, 2, 4 or 8 bits: 8/b whole codes per byte, shifted and summed (3 ops; the same
+    stream)."""
     m, n = codes.shape
-    g, row_bits, row_bytes, byte, shift, _ = _layout(widths, codes.device)
+    key = _key(widths)
+    g, row_bits, row_bytes, _, _, _, same, shifts = _layout_for(key, str(codes.device))
     if m == 0 or row_bits == 0:
         return torch.zeros(0, dtype=torch.uint8, device=codes.device)
-    nbytes = (m * row_bits + 7) // 8
-    c = codes if m % g == 0 else torch.nn.functional.pad(codes, (0, 0, 0, (-m) % g))
-    c = c.reshape(-1, g * n)
-    out = torch.empty(c.shape[0], row_bytes, dtype=torch.uint8, device=codes.device)
-    step = _block_rows(g, row_bits)
-    for start in range(0, c.shape[0], step):
-        part = c[start : start + step].to(torch.int32) << shift
-        acc = torch.zeros(part.shape[0], row_bytes, dtype=torch.int32, device=codes.device)
-        acc.index_add_(1, byte, part)
-        low = acc & 255
-        low[:, 1:] += acc[:, :-1] >> 8  # the last byte of a super-row never spills
-        out[start : start + step] = low
-    return out.reshape(-1)[:nbytes]
+    if same:
+        flat = codes.reshape(-1)
+        k = 8 // same
+        if flat.numel() % k:
+            flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % k))
+        flat = flat.to(torch.uint8)
+        return flat if k == 1 else (flat.reshape(-1, k) << shifts).sum(-1, dtype=torch.uint8)
+    c = codes.to(torch.uint8)
+    full, tail = m - m % g, m % g
+    parts = []
+    step = _block_rows(g, row_bits) * g
+    for start in range(0, full, step):
+        stop = min(start + step, full)
+        parts.append(_pack_rows(c[start:stop].reshape(-1, g * n), key, g).reshape(-1))
+    if tail:
+        parts.append(_pack_rows(c[full:].reshape(1, tail * n), key, tail).reshape(-1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def unpack_codes(packed: torch.Tensor, widths: torch.Tensor, m: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, widths, m: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int64 codes [m, n] (each read from the <= 2 bytes it spans)."""
-    n = widths.numel()
-    g, row_bits, row_bytes, byte, shift, mask = _layout(widths, packed.device)
+    n = len(widths) if isinstance(widths, tuple) else widths.numel()
+    g, row_bits, row_bytes, byte, shift, mask, same, shifts = _layout(widths, packed.device)
     if m == 0 or row_bits == 0:
         return torch.zeros(m, n, dtype=torch.int64, device=packed.device)
+    if same:
+        k = 8 // same
+        codes = packed if k == 1 else ((packed[:, None] >> shifts) & ((1 << same) - 1)).reshape(-1)
+        return codes[: m * n].reshape(m, n).to(torch.int64)
     sup = -(-m // g)
     data = packed[: sup * row_bytes]
     if data.numel() < sup * row_bytes:  # the last super-row is partial

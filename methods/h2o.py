@@ -128,7 +128,9 @@ class H2O(KVMethod):
             )
         rho = target / per
         self._predicted, self._qall_scale = None, 1.0
-        if self.budget == "measured":  # Q-all states only; the end of a prefill is at ρ already
+        # Q-all states only; the end of a prefill is at ρ already, so in the prefill-exact regime
+        # (PPL track B, LongBench) the Q-all floor of min_budget tokens does not apply
+        if self.budget == "measured" and self.regime.kind == "qall":
             self._qall_scale = self._fit_qall(target, per) / rho
         h, r = self.heavy_ratio, self.recent_ratio
         if h is None and r is None:

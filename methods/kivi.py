@@ -43,7 +43,9 @@ Decisions where METHODS.md is silent:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +97,17 @@ def grid_choice(
         )
     _, b, g = max(fit)
     return b, g
+
+
+#: the profiler range around bookkeeping on host tensors: the bits each query read are float64
+#: CPU tensors whatever the model's device (``LayerState.read_bits``), so the ops inside launch no
+#: kernel on a GPU; ``kvbench.bench.opcount`` counts them apart, as host ops
+HOST_RANGE = "kvbench.host"
+
+
+def host_ops():
+    """``with host_ops():`` marks bookkeeping on CPU tensors for the op count (:data:`HOST_RANGE`)."""
+    return torch.autograd.profiler.record_function(HOST_RANGE)
 
 
 #: largest [B, Hq, Tq, N] logit block materialized at once (float32 elements)
@@ -172,6 +185,26 @@ def mixed_attention(q, kp, k_ex, k_hat, key_mask, vp, v_ex, v_hat, val_mask, sca
 SDPA_MIN_QUERIES = 16
 
 
+#: largest [Tq, keys] mask of :func:`blocked_attention`'s single call (2^27 elements); longer
+#: chunks take the per-group loop (:func:`grouped_attention`)
+MAX_UNION_MASK = 1 << 27
+#: on the CPU, launches are cheap and FLOPs are not: chunks of more queries than this take the
+#: per-group loop there (a GPU takes the single call up to :data:`MAX_UNION_MASK`)
+CPU_SINGLE_CALL_QUERIES = 512
+
+
+@contextlib.contextmanager
+def gpu_dispatch():
+    """Within it, a CPU takes the paths a GPU takes (the single call at any length): what
+    ``kvbench.bench.opcount`` counts, as the launches of a GPU."""
+    global CPU_SINGLE_CALL_QUERIES
+    saved, CPU_SINGLE_CALL_QUERIES = CPU_SINGLE_CALL_QUERIES, 1 << 62
+    try:
+        yield
+    finally:
+        CPU_SINGLE_CALL_QUERIES = saved
+
+
 def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_window, scaling):
     """:func:`mixed_attention` for the masks KIVI and SVDq use, with torch's fused SDPA kernel.
 
@@ -179,6 +212,84 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
     given, value s iff ``s < t - value_window`` (``v_hat=None``: one version of the values, ``v_ex``,
     after the prefix ``vp``). Arguments as in :func:`mixed_attention`; the tails start where the
     prefixes end, and the key prefix must end on a key block boundary at or below the first query's.
+
+    One SDPA call (issue 15, item 6: a fixed number of ops however many key groups the chunk
+    spans): each (key version, value version) pair a query may read is a segment of one key
+    sequence, every position of the tail entering once per version pair, and one boolean mask
+    [Tq, keys] keeps, per query, exactly the version of each position it reads (segments:
+    :func:`_union_mask`). The softmax runs over the same logits as the eager path, so the result
+    is equal up to rounding. Decisions where METHODS.md is silent: the work is that of attention
+    over 2-3 times the keys without causal skipping (cheap on a GPU next to the launches it saves;
+    about 3x the per-group loop's time on this CPU at 2048 tokens); a chunk whose mask would
+    exceed :data:`MAX_UNION_MASK` elements, or a CPU chunk of more than
+    :data:`CPU_SINGLE_CALL_QUERIES` queries, takes the per-group loop :func:`grouped_attention`
+    instead (the work of causal attention)."""
+    tq = q.shape[2]
+    pk = 0 if kp is None else kp.shape[2]
+    pv = 0 if vp is None else vp.shape[2]
+    n = pk + k_ex.shape[2]
+    if pk > key_block * ((n - tq) // key_block):
+        raise ValueError("blocked_attention: the key prefix ends inside a query's key block")
+    two_values = v_hat is not None
+    if two_values and (value_window < key_block or pv > pk):
+        return grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_window, scaling)
+    width = 3 * n - pk - pv if two_values else 2 * n - pk
+    cpu_long = q.device.type == "cpu" and tq > CPU_SINGLE_CALL_QUERIES
+    if tq * width > MAX_UNION_MASK or cpu_long:
+        return grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_window, scaling)
+    hat_keys = [k_hat] if kp is None else [kp, k_hat.to(kp.dtype)]  # positions 0..n-1
+    if two_values:  # segments: (hat, hat) 0..n, (hat, exact) pv..n, (exact, exact) pk..n
+        hat_keys = hat_keys[0] if len(hat_keys) == 1 else torch.cat(hat_keys, dim=2)
+        keys = torch.cat([hat_keys, hat_keys[:, :, pv:], k_ex.to(hat_keys.dtype)], dim=2)
+        v_hat_all = v_hat if vp is None else torch.cat([vp, v_hat.to(vp.dtype)], dim=2)
+        vals = torch.cat([v_hat_all, v_ex, v_ex[:, :, pk - pv :]], dim=2)
+    else:  # segments: hat keys 0..n, exact keys pk..n; values v_ex (after vp)
+        keys = torch.cat([*hat_keys, k_ex.to(hat_keys[0].dtype)], dim=2)
+        v_all = v_ex if vp is None else torch.cat([vp, v_ex.to(vp.dtype)], dim=2)
+        vals = torch.cat([v_all, v_all[:, :, pk:]], dim=2)
+    mask = _union_mask(n - tq, tq, pk, pv if two_values else None, key_block, value_window, q.dtype, str(q.device))
+    return _masked_sdpa(q, keys.to(q.dtype), vals.to(q.dtype), mask, scaling)
+
+
+@lru_cache(maxsize=2)
+def _union_mask(n0: int, tq: int, pk: int, pv: int | None, key_block: int, window, dtype, device: str) -> torch.Tensor:
+    """The additive mask [tq, keys] (0 = read, -inf = not; in ``dtype``, as the fused kernel
+    wants it) of :func:`blocked_attention` for queries at n0..n0+tq-1 over n = n0 + tq
+    positions. With one value version (``pv=None``): hat keys of
+    positions 0..n-1 (read iff s < B(t) = key_block floor(t / key_block)), then exact keys of
+    pk..n-1 (iff B(t) <= s <= t). With two: (hat key, hat value) of 0..n-1 (iff s < t - window),
+    (hat key, exact value) of pv..n-1 (iff t - window <= s < B(t)), (exact, exact) of pk..n-1
+    (iff B(t) <= s <= t; exact values there, since t - window <= t - key_block < B(t)). Cached: the
+    layers of one pass (and passes of one length) share it."""
+    keep = _union_keep(n0, tq, pk, pv, key_block, window, torch.device(device))
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
+def _union_keep(n0, tq, pk, pv, key_block, window, dev) -> torch.Tensor:
+    """The boolean form of :func:`_union_mask` (True = read)."""
+    n = n0 + tq
+    t = torch.arange(n0, n, device=dev)[:, None]
+    s = torch.arange(n, device=dev)[None, :]
+    start = key_block * torch.div(t, key_block, rounding_mode="floor")
+    own = (s[:, pk:] >= start) & (s[:, pk:] <= t)
+    if pv is None:
+        return torch.cat([s < start, own], dim=1)
+    hat_value = s < t - window
+    return torch.cat([hat_value, ~hat_value[:, pv:] & (s[:, pv:] < start), own], dim=1)
+
+
+def _masked_sdpa(q, k, v, mask, scaling):
+    """SDPA with a mask [Tq, Tk] shared by all heads, grouped-query heads read natively:
+    on the CPU ``enable_gqa`` (the fused kernel takes it with a mask), elsewhere the g query heads
+    of each KV head folded into the query axis (:func:`_folded_attention`; a masked
+    ``enable_gqa`` call falls back to the unfused kernel on CUDA)."""
+    if q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return _folded_attention(q, k, v, mask, scaling)
+
+
+def grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_window, scaling):
+    """:func:`blocked_attention` as one SDPA call per key group, for chunks too long for one mask.
 
     The queries are split at key-block boundaries. Every query of a group shares the block start
     B, so it reads hat keys before B and exact keys from B on: one causal SDPA call over that key
@@ -287,7 +398,11 @@ class Growing:
         self.n += t
 
     def write(self, start: int, x: torch.Tensor) -> None:
-        """Overwrite tokens ``start..start + len(x)`` (already appended) in place."""
+        """Overwrite tokens ``start..start + len(x)`` (already appended) in place. A write that
+        replaces the whole adopted tensor adopts ``x`` instead (no copy of what it overwrites)."""
+        if not self._owned and start == 0 and x.shape[2] == self.n:
+            self._buf = x
+            return
         self._reserve(self.n, x)
         self._buf[:, :, start : start + x.shape[2]] = x
 
@@ -403,13 +518,14 @@ class KiviLayerState(LayerState):
         return qk, qv
 
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
-        if prefill and self._seen:
-            raise ValueError("prefill must be the first call on a layer state")
+        if prefill:
+            self.store_prompt(k, v)
+            return causal_attention(q, k, v, scaling)
         n0, t = self._seen, k.shape[2]
         n = n0 + t
         r = self.residual
         qk, qv = self._quantizers(v)
-        if t == 1 and not prefill:
+        if t == 1:
             return self._step(q, k, v, scaling, qk, qv)
         kp, vp = self.k.hat, self.v.hat  # read quantized by every new query
         k_hat_t, k_ex_t = _advance(self.k, k, r * (n // r), qk)
@@ -418,9 +534,8 @@ class KiviLayerState(LayerState):
         else:
             v_hat_t, v_ex_t = _advance(self.v, v, max(0, n - r), qv)
         self._seen = n
-        self._reads = None if prefill else self._read_bits(n0, t, k)
-        if prefill:
-            return causal_attention(q, k, v, scaling)
+        with host_ops():
+            self._reads = self._read_bits(n0, t, k)
         if t >= SDPA_MIN_QUERIES:
             if self.v_bits is None:
                 return blocked_attention(q, kp, k_ex_t, k_hat_t, r, None, self.v_exact.data, None, None, scaling)
@@ -439,6 +554,23 @@ class KiviLayerState(LayerState):
         return mixed_attention(
             q, kp, k_ex_t, k_hat_t, key_mask, vp, v_ex_t, v_hat_t, val_mask, scaling
         )
+
+    def store_prompt(self, k, v) -> None:
+        """Store a prompt of P tokens as KIVI does at the end of an exact prefill (§2.3: keys
+        0..R*floor(P/R)-1 and values 0..P-R-1 quantized, the rest at fp16), without attending:
+        ``attend(prefill=True)`` is this plus exact causal attention, and compose(snapkv, kivi)
+        hands it the kept prompt."""
+        if self._seen:
+            raise ValueError("prefill must be the first call on a layer state")
+        n, r = k.shape[2], self.residual
+        qk, qv = self._quantizers(v)
+        _advance(self.k, k, r * (n // r), qk)
+        if self.v_bits is None:
+            self.v_exact.append(v)
+        else:
+            _advance(self.v, v, max(0, n - r), qv)
+        self._seen = n
+        self._reads = None
 
     def _step(self, q, k, v, scaling, qk, qv):
         """One decode token. The query at position n0 reads key s quantized iff s < R floor(n0/R)

@@ -29,7 +29,9 @@ import torch
 
 from .base import LayerStats, Unsupported
 from .codec_state import Codec, ExactCodec
-from .gaussquant import calibrated_multipliers, dequantize, optimal_step, pack_codes, quantize, unpack_codes
+from .gaussquant import (
+    calibrated_multipliers, dequantize, optimal_step, pack_codes, prepare_layout, quantize, unpack_codes,
+)
 from .groupquant import dequantize_groups, quantize_groups
 from .hadamard import haar_orthogonal, hadamard, random_signs
 
@@ -118,7 +120,16 @@ class LatentKeyCodec(Codec):
     """Projection + per-coordinate fixed-step quantization of pre-RoPE keys (see module doc).
 
     mu [H, d]; enc, dec [H, r, d]; step [H, r]; width [H, r] (0 = padding). ``quantize=False``
-    stores the float latents (a test mode, counted at 32 bits per latent)."""
+    stores the float latents (a test mode, counted at 32 bits per latent).
+
+    Decisions where METHODS.md is silent (issue 15, item 6: a few batched ops per call, for the
+    GPU's launch cost): every slot of the padded [H, r_max] layout is quantized, packed and decoded
+    together, with per-slot constants prepared once per (device, dtype) (:meth:`_params`); a slot of
+    width 0 (padding, or a coordinate given no bits) packs no bits and decodes to exactly 0, so the
+    stream, the bits and the decoded keys are those of the active slots alone. :meth:`encode_decode`
+    (what a cache layer calls on arrival) dequantizes the codes it has just packed instead of
+    unpacking them again: the same codes (:func:`methods.gaussquant.unpack_codes` inverts
+    :func:`~methods.gaussquant.pack_codes` exactly), one pass fewer."""
 
     pre_rope = True
 
@@ -133,6 +144,14 @@ class LatentKeyCodec(Codec):
         self.widths = self.width.reshape(-1)[self.active]
         self.padded = self.active.numel() < self.slots  # some slots carry 0 bits (ragged ranks)
         self.steps = self.step.reshape(-1)[self.active]
+        self.slot_widths = tuple(self.width.reshape(-1).tolist())  # the packing layout, all slots
+        on = self.width > 0
+        w = self.width.to(torch.float64)
+        half = torch.where(on, torch.exp2(w - 1), 0.0)
+        self._slot = tuple(x[:, None, :] for x in (  # float64 [H, 1, r] per slot: quantizer step,
+            torch.where(on, self.step, 1.0), half, torch.exp2(w) - 1, torch.zeros_like(half),  # half,
+            0.5 - half, torch.where(on, self.step, 0.0),  # top code, 0, offset, decoder step
+        ))
         self.quantize = quantize
         self._cache: dict = {}
 
@@ -151,36 +170,69 @@ class LatentKeyCodec(Codec):
         return cls(mu, enc, enc, step, width, quantize=quantize)
 
     def _params(self, device, dtype):
-        return _on(self._cache, (self.mu, self.enc, self.dec, self.steps, self.widths, self.active), device, dtype)
+        """(mu, enc, dec, active, quantizer step, half, top, zeros, offset, decoder step) on
+        ``device`` (the per-slot ones [H, 1, r]: :attr:`_slot`); the packing layout is prepared
+        with them, so that no later call builds one."""
+        key = (str(device), dtype)
+        if key not in self._cache:
+            prepare_layout(self.slot_widths, device)
+        return _on(self._cache, (self.mu, self.enc, self.dec, self.active, *self._slot), device, dtype)
+
+    def _latents(self, x):
+        """(c [B, H, T, r] latents of every slot, params): one bmm over the heads, whose output
+        is already in this layout (no copy)."""
+        p = self._params(x.device, _compute_dtype(x))
+        mu, enc = p[0], p[1]
+        return torch.einsum("bhtd,hrd->bhtr", x.to(enc.dtype) - mu[None, :, None, :], enc), p
+
+    @staticmethod
+    def _codes(c, p):
+        """§1.1 codes of every slot as exact integers in c's dtype: clamp(floor(c / step) + half,
+        0, 2^b - 1) (:func:`methods.gaussquant.quantize`; 0 in a width-0 slot)."""
+        step, half, top, zero = p[4], p[5], p[6], p[7]
+        return torch.clamp(torch.floor(c / step) + half, zero, top)
+
+    @staticmethod
+    def _reconstruct(codes, p):
+        """k_hat [B, H, T, d] = mu + D^T c_hat from the codes [B, H, T, r]
+        (:func:`methods.gaussquant.dequantize`: (code - 2^(b-1) + 1/2) step, 0 in a width-0 slot)."""
+        mu, dec, offset, dstep = p[0], p[2], p[8], p[9]
+        c = (codes.to(offset.dtype) + offset) * dstep
+        return mu[None, :, None, :] + torch.einsum("bhtr,hrd->bhtd", c, dec)
 
     def encode(self, x):
+        return self.encode_decode(x, decode=False)[0]
+
+    def encode_decode(self, x, decode: bool = True):
         b, h, t, d = x.shape
-        dt = _compute_dtype(x)
-        mu, enc, _, steps, widths, active = self._params(x.device, dt)
-        c = torch.einsum("bhtd,hrd->bthr", x.to(dt) - mu[None, :, None, :], enc)
-        flat = c.reshape(b * t, -1)
-        if self.padded:
-            flat = flat.index_select(1, active)
+        c, p = self._latents(x)
         if not self.quantize:
-            return PackedCodes(flat, (b, h, t, d), dt, raw=True)
-        return PackedCodes(pack_codes(quantize(flat, steps, widths), self.widths), (b, h, t, d), dt)
+            flat = c.transpose(1, 2).reshape(b * t, -1)
+            packed = PackedCodes(flat.index_select(1, p[3]) if self.padded else flat, (b, h, t, d), p[0].dtype, raw=True)
+            return packed, (self.decode(packed) if decode else None)
+        codes = self._codes(c, p)
+        rows = torch.empty(b, t, h, c.shape[-1], dtype=torch.uint8, device=x.device)
+        rows.copy_(codes.transpose(1, 2))  # token-major rows (the stream's order), cast in one op
+        packed = PackedCodes(pack_codes(rows.view(b * t, -1), self.slot_widths), (b, h, t, d), p[0].dtype)
+        return packed, (self._reconstruct(codes, p) if decode else None)
+
+    def _unflatten(self, flat, shape):
+        """[B*T, S] (token-major) -> [B, H, T, r]."""
+        b, h, t, d = shape
+        return flat.reshape(b, t, h, self.slots // h).transpose(1, 2)
 
     def decode(self, packed):
         b, h, t, d = packed.shape
-        dt = packed.dtype
-        mu, _, dec, steps, widths, active = self._params(packed.data.device, dt)
-        if packed.raw:
-            c_act = packed.data
-        else:
-            codes = unpack_codes(packed.data, self.widths, b * t)
-            c_act = dequantize(codes, steps, widths)
+        p = self._params(packed.data.device, packed.dtype)
+        if not packed.raw:
+            codes = unpack_codes(packed.data, self.slot_widths, b * t)
+            return self._reconstruct(self._unflatten(codes, packed.shape), p)
+        c = packed.data
         if self.padded:
-            c = torch.zeros(b * t, self.slots, dtype=dt, device=packed.data.device)
-            c.scatter_(1, active.expand(b * t, -1), c_act)  # faster than c[:, active] = c_act
-        else:
-            c = c_act
-        c = c.reshape(b, t, h, self.slots // h)
-        return mu[None, :, None, :] + torch.einsum("bthr,hrd->bhtd", c, dec)
+            c = torch.zeros(b * t, self.slots, dtype=packed.dtype, device=packed.data.device)
+            c.scatter_(1, p[3].expand(b * t, -1), packed.data)
+        mu, dec = p[0], p[2]
+        return mu[None, :, None, :] + torch.einsum("bhtr,hrd->bhtd", self._unflatten(c, packed.shape), dec)
 
     def bits(self, packed):
         return packed.data.numel() * (32 if packed.raw else 8)
@@ -199,22 +251,33 @@ class RotatedValueCodec(Codec):
     def _params(self, device, dtype):
         return _on(self._cache, (self.rot, self.step, self.mu), device, dtype)
 
+    def _widths(self, d: int) -> tuple[int, ...]:
+        """The packing layout of one token's d codes (a tuple: no tensor per call)."""
+        return (self.nbits,) * d
+
     def encode(self, x):
+        return self.encode_decode(x, decode=False)[0]
+
+    def encode_decode(self, x, decode: bool = True):
+        """(packed, decoded): the decoded values are dequantized from the codes just packed
+        (:meth:`decode` of the stored bytes gives the same tensor)."""
         b, h, t, d = x.shape
         dt = _compute_dtype(x)
         rot, step, mu = self._params(x.device, dt)
         y = torch.einsum("bhtd,hed->bhte", x.to(dt) - mu[None, :, None, :], rot)
-        codes = quantize(y, step[None, :, None, None], self.nbits).reshape(-1, d)
-        widths = torch.full((d,), self.nbits, dtype=torch.long)
-        return PackedCodes(pack_codes(codes, widths), (b, h, t, d), dt)
+        codes = quantize(y, step[None, :, None, None], self.nbits)
+        packed = PackedCodes(pack_codes(codes.reshape(-1, d), self._widths(d)), (b, h, t, d), dt)
+        return packed, (self._reconstruct(codes, step, mu, rot) if decode else None)
+
+    def _reconstruct(self, codes, step, mu, rot):
+        y = dequantize(codes, step[None, :, None, None], self.nbits)
+        return mu[None, :, None, :] + torch.einsum("bhte,hed->bhtd", y, rot)
 
     def decode(self, packed):
         b, h, t, d = packed.shape
         rot, step, mu = self._params(packed.data.device, packed.dtype)
-        widths = torch.full((d,), self.nbits, dtype=torch.long)
-        codes = unpack_codes(packed.data, widths, b * h * t).reshape(b, h, t, d)
-        y = dequantize(codes, step[None, :, None, None], self.nbits)
-        return mu[None, :, None, :] + torch.einsum("bhte,hed->bhtd", y, rot)
+        codes = unpack_codes(packed.data, self._widths(d), b * h * t).reshape(b, h, t, d)
+        return self._reconstruct(codes, step, mu, rot)
 
     def bits(self, packed):
         return packed.data.numel() * 8

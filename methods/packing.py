@@ -14,6 +14,7 @@ not by default.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 
@@ -24,6 +25,12 @@ CHECK_CODES = os.environ.get("KVBENCH_CHECK_CODES", "0") not in ("", "0")
 def _check_bits(bits: int) -> None:
     if not (isinstance(bits, int) and 1 <= bits <= 8):
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+
+
+@lru_cache(maxsize=64)
+def _shifts(step: int, end: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """arange(0, end, step) on ``device``, made once (a hot path would launch it per call)."""
+    return torch.arange(0, end, step, dtype=dtype).to(device)
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -55,19 +62,17 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check: bool | None = None) -> t
         c = codes.to(torch.uint8)
         if n % k:
             c = torch.nn.functional.pad(c, (0, (-n) % k))
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        shifts = _shifts(bits, 8, torch.uint8, str(codes.device))
         return (c.reshape(*lead, -1, k) << shifts).sum(-1, dtype=torch.uint8)
     word_dtype = torch.int32 if bits <= 3 else torch.int64  # 8 codes of b bits: 8b <= 24 or <= 56
     c = codes.to(word_dtype)
     if n % 8:
         c = torch.nn.functional.pad(c, (0, (-n) % 8))
     c = c.reshape(*lead, -1, 8)
-    word = c[..., 0].clone()
-    for j in range(1, 8):
-        word |= c[..., j] << (bits * j)
-    out = torch.empty(*word.shape, bits, dtype=torch.uint8, device=codes.device)
-    for i in range(bits):
-        out[..., i] = (word >> (8 * i)) & 255
+    # the 8 codes at bits 0, b, 2b, ... of one word (disjoint bits: the sum is the OR), then
+    # its ``bits`` bytes, least significant first: a fixed handful of ops for any b
+    word = (c << _shifts(bits, 8 * bits, word_dtype, str(codes.device))).sum(-1, dtype=word_dtype)
+    out = ((word[..., None] >> _shifts(8, 8 * bits, word_dtype, str(codes.device))) & 255).to(torch.uint8)
     out = out.reshape(*lead, -1)
     nbytes = packed_nbytes(n, bits)
     return out if out.shape[-1] == nbytes else out[..., :nbytes].contiguous()
@@ -83,7 +88,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
     if bits in (1, 2, 4):  # whole codes per byte: shift the bytes themselves
         k = 8 // bits
         nbytes = packed_nbytes(n, bits)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        shifts = _shifts(bits, 8, torch.uint8, str(packed.device))
         codes = (packed[..., :nbytes, None] >> shifts) & ((1 << bits) - 1)
         codes = codes.reshape(*lead, nbytes * k)
         codes = codes if nbytes * k == n else codes[..., :n]
@@ -96,10 +101,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
         p = torch.nn.functional.pad(packed, (0, need - packed.shape[-1]))
     word_dtype = torch.int32 if bits <= 3 else torch.int64
     p = p.reshape(*lead, groups, bits).to(word_dtype)
-    word = p[..., 0]
-    for i in range(1, bits):
-        word = word | (p[..., i] << (8 * i))
-    shifts = torch.arange(0, 8 * bits, bits, dtype=word_dtype, device=packed.device)
+    word = (p << _shifts(8, 8 * bits, word_dtype, str(packed.device))).sum(-1, dtype=word_dtype)
+    shifts = _shifts(bits, 8 * bits, word_dtype, str(packed.device))
     codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, groups * 8)
     codes = codes if groups * 8 == n else codes[..., :n]
     return codes.to(dtype)

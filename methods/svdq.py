@@ -60,12 +60,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
-from .groupquant import dequantize_groups, quantize_groups
+from .groupquant import FP16_TINY, SCALE_GUARD, GroupPacked, quantize_groups
 from .kivi import (
     SDPA_MIN_QUERIES,
     Growing,
@@ -74,8 +75,10 @@ from .kivi import (
     _SideStore,
     blocked_attention,
     grid_choice,
+    host_ops,
     mixed_attention,
 )
+from .packing import pack_bits
 
 N_GROUPS = 8
 PAPER_SCHEDULE = (8, 4, 2, 1, 1, 0, 0, 0)
@@ -158,6 +161,56 @@ def active_channels(schedule, head_dim: int) -> list[int]:
     return [j * m + i for j, b in enumerate(schedule) if b > 0 for i in range(m)]
 
 
+def quantize_latents(c: torch.Tensor, schedule, m: int, group: int) -> tuple[list[GroupPacked], torch.Tensor]:
+    """§3.2 for all active latent channels of c [B, H, T, n_act] at once: per channel, groups of
+    ``group`` tokens, asymmetric min-max at the channel's b_j with fp16 (s, mn), exactly
+    :func:`methods.groupquant.quantize_groups` along the token axis (the same scales, minima and
+    codes: every channel is quantized on its own, so one call per width gives what one call per
+    latent group gave). Returns one :class:`GroupPacked` per run of equal widths along the schedule
+    (codes packed at that width) and c_hat [B, H, T, n_act], dequantized from the codes before they
+    are packed (:func:`methods.groupquant.dequantize_groups` of the packs, bit for bit).
+
+    Decisions where METHODS.md is silent (issue 15, item 6): one batched quantization of every
+    width instead of one per latent group, a fixed dozen ops plus a pack per distinct width."""
+    b, h, t, n = c.shape
+    levels, zero = _levels(tuple(schedule), m, c.dtype, str(c.device))
+    xg = c.movedim(2, -1).reshape(b, h, n, t // group, group)
+    mn = xg.amin(dim=-1)
+    s = ((xg.amax(dim=-1) - mn) / levels[:, None]).clamp_min(SCALE_GUARD)
+    s16, mn16 = s.half().clamp_min(FP16_TINY), mn.half()
+    scale, low = s16.to(c.dtype)[..., None], mn16.to(c.dtype)[..., None]
+    q = torch.clamp(((xg - low) / scale).round(), zero, levels[:, None, None])
+    codes = q.to(torch.uint8)
+    packs, start = [], 0
+    for bits, width in _runs(schedule):
+        sl = slice(start, start + width * m)
+        packs.append(GroupPacked(pack_bits(codes[:, :, sl], bits), s16[:, :, sl], mn16[:, :, sl], bits, group, 2,
+                                 (b, h, t, width * m), c.dtype))
+        start += width * m
+    c_hat = (q * scale + low).reshape(b, h, n, t).movedim(-1, 2).contiguous()
+    return packs, c_hat
+
+
+@lru_cache(maxsize=32)
+def _levels(schedule: tuple, m: int, dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^b_j - 1 per active latent channel [n_act], 0) in ``dtype`` on ``device``."""
+    top = [float((1 << b) - 1) for b in schedule if b > 0 for _ in range(m)]
+    return torch.tensor(top, dtype=dtype).to(device), torch.zeros((), dtype=dtype).to(device)
+
+
+def _runs(schedule) -> list[tuple[int, int]]:
+    """(b, number of consecutive latent groups with that b > 0) along the schedule."""
+    runs: list[list[int]] = []
+    for b in schedule:
+        if b == 0:
+            continue
+        if runs and runs[-1][0] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return [tuple(r) for r in runs]
+
+
 def _svd_basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean, eigenvalues desc, eigenvectors desc as columns) of the rows of x [..., n, d]."""
     x = x.double()
@@ -235,16 +288,7 @@ class SVDqLayerState(LayerState):
         dt = work_dtype(k_pre)  # float32, or float64 for float64 inputs (exactness tests)
         mu, basis = mu.to(dt), basis.to(dt)
         c = (k_pre.to(dt) - mu) @ basis  # [B, H, m, n_act]
-        m = k_pre.shape[-1] // N_GROUPS
-        packs, parts, start = [], [], 0
-        for b in self.schedule:
-            if b == 0:
-                continue
-            gp = quantize_groups(c[..., start : start + m].contiguous(), b, self.group, axis=2)
-            packs.append(gp)
-            parts.append(dequantize_groups(gp))
-            start += m
-        c_hat = torch.cat(parts, dim=-1)
+        packs, c_hat = quantize_latents(c, self.schedule, k_pre.shape[-1] // N_GROUPS, self.group)
         k_hat_pre = mu + c_hat @ basis.transpose(-1, -2)
         return packs, apply_rope(k_hat_pre, Rope(cos, sin)).to(k_pre.dtype)
 
@@ -287,7 +331,11 @@ class SVDqLayerState(LayerState):
         if m > 0:
             self._flush(m)
         self._seen = n
-        self._reads = None if prefill else self._read_bits(n0, t, k)
+        if not prefill and t > 1:
+            with host_ops():
+                self._reads = self._read_bits(n0, t, k)
+        else:
+            self._reads = None if prefill else self._read_bits(n0, t, k)
         if out is not None:
             return out
         if prefill:

@@ -20,7 +20,7 @@ from kvbench.calibrate import collect_stats
 from kvbench.integrate import attach, model_shape
 from methods import Regime, Unsupported, build_method
 from methods.base import ModelShape
-from methods.compose import KiviComposedState, TokenwiseComposedState
+from methods.compose import KiviComposedState, SnapKiviState, TokenwiseComposedState
 from methods.groupquant import fake_quantize_groups
 from methods.h2o import H2OLayerState
 from methods.kivi import KiviLayerState
@@ -300,6 +300,16 @@ def test_snapkv_then_kivi_is_kivi_on_the_kept_sequence():
     rk, rv = state.read_bits()
     ek, ev = kivi.read_bits()
     assert torch.equal(rk, ek) and torch.equal(rv, ev)
+
+    # the state the job builds (KIVI's own on the kept sequence, one-pass chunk) against the
+    # arrival-index state above, which runs the chunk token by token through SnapKV's
+    fast = SnapKiviState(SnapKVLayerState(8, 3, "max", "mean", cap), KiviLayerState(2, 16, 32, 2, 16))
+    assert torch.equal(fast.attend(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling=0.25, prefill=True), pre)
+    assert (fast.attend(q[:, :, p:], k[:, :, p:], v[:, :, p:], scaling=0.25, prefill=False) - dec).abs().max() < 1e-10
+    assert fast.stored_bits() == state.stored_bits()
+    assert (fast.n_seen, fast.n_kept) == (state.n_seen, state.n_kept) == (110, 60)
+    fk, fv = fast.read_bits()
+    assert torch.allclose(fk, rk, rtol=0, atol=1e-6) and torch.allclose(fv, rv, rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------

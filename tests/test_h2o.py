@@ -299,3 +299,21 @@ def test_measured_budget_below_the_floor_is_unsupported():
     m.set_regime(Regime("qall", 64))
     with pytest.raises(Unsupported, match="min_budget=8"):
         m.configure(ModelShape(2, 4, 2, 64), 0.5, None)
+
+
+def test_prefill_regime_is_not_held_to_the_qall_floor():
+    """PPL track B / LongBench: the headline is the end of an exact prefill of P tokens, where
+    ρ = bpd / (16 + 16/d) holds; the Q-all floor (min_budget tokens at every early position) must
+    not make a reachable target unsupported (0.5 bpd over a 1536-token prefill keeps 47 tokens)."""
+    t, d = 1536, 64
+    m = H2O()
+    m.set_regime(Regime("prefill", t, 511))
+    m.configure(ModelShape(2, 4, 2, d), 0.5, None)
+    assert m.knobs()["rho"] == pytest.approx(0.5 / (16 + 16 / d))
+    q, k, v = make_qkv(1, 2, 2, t, d, seed=5)
+    state = m.new_layer_state(0)
+    state.attend(q, k, v, scaling=d**-0.5, prefill=True)
+    assert abs(state.stored_bits()[0] / (2 * t * d) - 0.5) <= (16 + 16 / d) / t + 1e-12
+    m.set_regime(Regime("qall", t))  # the same target in Q-all is below the floor
+    with pytest.raises(Unsupported, match="min_budget=8"):
+        m.configure(ModelShape(2, 4, 2, d), 0.5, None)

@@ -37,6 +37,13 @@ Decisions where METHODS.md is silent (it says nothing about performance):
   ``_local_scalar_dense`` from ``.item()``/``int(t)``/``bool(t)``, ``nonzero``, ...) are counted as
   usual and also reported as ``syncs``. Host-to-device copies of Python values
   (``torch.as_tensor(x, device=cuda)``) do not show on a CPU.
+* Bookkeeping on host tensors is not a launch: the bits each query read (``LayerState.read_bits``)
+  are float64 CPU tensors whatever the model's device, and the layer states compute them inside a
+  ``kvbench.host`` profiler range (:func:`methods.kivi.host_ops`); its aten ops are counted apart,
+  as ``host ops`` (host time, like the views), not as kernels.
+* Device-dependent dispatch follows the GPU: KIVI's and SVDq's long chunks take one SDPA call on a
+  GPU but the per-group loop on a CPU (``methods.kivi.CPU_SINGLE_CALL_QUERIES``); the one-pass is
+  counted inside :func:`methods.kivi.gpu_dispatch`, i.e. on the GPU's path.
 * The CPU's kernels stand in for CUDA's: a few ops decompose differently on the two (an op here
   and there, the same for every method); the hand count of FP16's layer (13 per decode step, 11
   per one-pass forward: tests/test_bench.py) is what transformers' Llama layer calls on any device.
@@ -62,8 +69,10 @@ from dataclasses import dataclass
 import torch
 
 from methods import ModelShape
+from methods.kivi import HOST_RANGE, gpu_dispatch
 
 from ..integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
+
 from .codec_speed import CODEC_CASES
 from .common import Row, Sizes, make_method, random_model, synthetic_stats, tiny_config
 
@@ -96,6 +105,7 @@ SYNC_OPS = frozenset(
     "aten::" + n for n in ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim")
 )
 ATTN, PROJ = "kvbench.opcount.attn", "kvbench.opcount.proj"
+HOST = HOST_RANGE  # bookkeeping on CPU tensors inside the layer states (counted apart, as host ops)
 CODECS = ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl")
 #: (label, registry name, bpd, v_bpd); None = the plain model (FP16 as the harness runs it)
 CASES = [("fp16", None, None, None), ("fp16 (kvbench state)", "fp16", None, None), *CODEC_CASES]
@@ -120,9 +130,10 @@ class OpCount:
     views: int
     syncs: int
     by_name: Counter
+    host: int = 0  # aten ops inside :data:`HOST` ranges (CPU tensors: no launch on a GPU)
 
     def per(self, n: float) -> dict:
-        return {"kernels": self.kernels / n, "views": self.views / n, "syncs": self.syncs / n}
+        return {"kernels": self.kernels / n, "views": self.views / n, "syncs": self.syncs / n, "host": self.host / n}
 
 
 def _is_aten(event) -> bool:
@@ -144,7 +155,12 @@ def count_events(events) -> OpCount:
     nothing else it calls (``mean``'s ``sum`` and ``div_`` are one reduction). Ops of
     :data:`SYNC_OPS` are counted as syncs wherever they occur."""
     names: Counter = Counter()
-    totals = {"kernels": 0, "views": 0, "syncs": 0}
+    totals = {"kernels": 0, "views": 0, "syncs": 0, "host": 0}
+
+    def host_ops(e):
+        for c in e.cpu_children:
+            totals["host"] += _is_aten(c)
+            host_ops(c)
 
     def kernel(e):
         totals["kernels"] += 1
@@ -167,6 +183,9 @@ def count_events(events) -> OpCount:
         for c in e.cpu_children:
             if c.name == PROJ:
                 continue
+            if c.name == HOST:
+                host_ops(c)
+                continue
             if not _is_aten(c):
                 walk(c)
                 continue
@@ -184,7 +203,7 @@ def count_events(events) -> OpCount:
     for e in events:
         if e.name == ATTN:
             walk(e)
-    return OpCount(totals["kernels"], totals["views"], totals["syncs"], names)
+    return OpCount(totals["kernels"], totals["views"], totals["syncs"], names, totals["host"])
 
 
 def _computes_below(e) -> bool:
@@ -270,11 +289,14 @@ def method_decode(model, method, prompt: torch.Tensor, nxt: torch.Tensor) -> OpC
 
 @torch.no_grad()
 def one_pass(model, method, ids: torch.Tensor) -> OpCount:
+    """One teacher-forced forward, counted on the paths a GPU takes (:func:`methods.kivi.gpu_dispatch`:
+    a CPU would take KIVI's/SVDq's per-group loop for long chunks, fewer FLOPs but more launches)."""
     if method is None:
         return profile_ops(model, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1))
     comp = attach(model, method)
     try:
-        return profile_ops(model, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1))
+        with gpu_dispatch():
+            return profile_ops(model, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1))
     finally:
         comp.detach()
 
@@ -322,12 +344,12 @@ def rows_from(counts: dict, t: int, steps: int, layers: int, shape: ModelShape) 
             ratio = per["kernels"] / base_k
             what = "per layer per step" if regime == "decode" else f"per layer per {t}-token pass"
             note = (f"{per['kernels']:.1f} ops {what} vs fp16 {base_k:.1f}; views {per['views']:.1f}, "
-                    f"syncs {per['syncs']:.2f}")
+                    f"syncs {per['syncs']:.2f}" + (f", host ops {per['host']:.1f}" if per["host"] else ""))
             detail = {
                 "method": name or "fp16", "plain_model": name is None, "regime": regime, "bpd": bpd,
                 "v_bpd": v_bpd, "tokens": t, "decode_steps": steps if regime == "decode" else None,
                 "layers": layers, "kernels_per_layer": per["kernels"], "views_per_layer": per["views"],
-                "syncs_per_layer": per["syncs"], "fp16_kernels_per_layer": base_k, "ratio_to_fp16": ratio,
+                "syncs_per_layer": per["syncs"], "host_ops_per_layer": per["host"], "fp16_kernels_per_layer": base_k, "ratio_to_fp16": ratio,
                 "top_ops": dict(Counter({k: v / n for k, v in c.by_name.items()}).most_common(12)),
             }
             row_name = f"{label} {regime}" + ("" if bpd is None else f" (bpd {bpd:g})")

@@ -42,6 +42,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .f1 import best_f1, best_f1_zh
+from .query_split import protocol
 from .longbench_prompts import (
     CHINESE_F1,
     DATASET2MAXLEN,
@@ -239,6 +240,34 @@ def generate_answer(lm, input_ids: list[int], max_new_tokens: int, stop_ids: lis
     return lm.tokenizer.decode(new, skip_special_tokens=True)
 
 
+def generate_with_protocol(
+    lm, text: str, input_ids: list[int], tail: str, add_special_tokens: bool,
+    max_new_tokens: int, stop_ids: list[int], query_aware: bool,
+) -> tuple[str, dict]:
+    """The answer under METHODS.md §9.5's protocol, and ``{"protocol_used", "context_tokens"}``.
+
+    Query-aware: :func:`generate_answer` (unchanged). Query-agnostic: the same ids cut where
+    ``tail`` (the template's text after ``{context}``, filled) starts in ``text``; the context is
+    prefilled and compressed alone, the tail goes through the compressed cache with decode
+    semantics (``CompressedLM.generate_split``). A tail not found in ``text`` (truncation cut into
+    it) is generated query-aware, and the record says so."""
+    from .query_split import protocol, split_ids, tail_start
+
+    if query_aware:
+        return generate_answer(lm, input_ids, max_new_tokens, stop_ids), {
+            "protocol_used": protocol(True), "context_tokens": len(input_ids)}
+    ids, n_context = split_ids(lm.tokenizer, text, tail_start(text, tail), add_special_tokens)
+    if ids != list(input_ids):
+        raise RuntimeError("query-agnostic split: the prompt tokenizes differently with offsets")
+    if n_context >= len(ids):
+        log.warning("question not found in the prompt: generated query-aware")
+        return generate_answer(lm, input_ids, max_new_tokens, stop_ids), {
+            "protocol_used": protocol(True), "context_tokens": len(input_ids)}
+    new = lm.generate_split(torch.tensor([ids], dtype=torch.long), n_context, max_new_tokens, stop_ids)
+    text_out = lm.tokenizer.decode(new, skip_special_tokens=True)
+    return text_out, {"protocol_used": protocol(False), "context_tokens": n_context}
+
+
 def context_window(model) -> int | None:
     """The positions the model was trained for (``max_position_embeddings``), if it says."""
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -259,14 +288,19 @@ def fit_context(max_length: int, max_new_tokens: int, window: int | None, datase
 
 
 def evaluate_dataset(
-    lm, dataset: str, items: list[dict], max_length: int, chat: bool
+    lm, dataset: str, items: list[dict], max_length: int, chat: bool, query_aware: bool = True
 ) -> list[dict]:
+    from .query_split import template_tail
+
     stop_ids = stop_token_ids(lm.model, lm.tokenizer)
     max_length = fit_context(max_length, DATASET2MAXLEN[dataset], context_window(lm.model), dataset)
     records = []
     for item in tqdm(items, desc=f"longbench {dataset}", unit="item"):
         prompt = build_prompt(item, dataset, lm.tokenizer, max_length, chat)
-        pred = generate_answer(lm, prompt["input_ids"], DATASET2MAXLEN[dataset], stop_ids)
+        pred, how = generate_with_protocol(
+            lm, prompt["text"], prompt["input_ids"], template_tail(DATASET2PROMPT[dataset], item),
+            not prompt["chat"], DATASET2MAXLEN[dataset], stop_ids, query_aware,
+        )
         records.append(
             {
                 "_id": item.get("_id"),
@@ -277,6 +311,7 @@ def evaluate_dataset(
                 "prompt_tokens": len(prompt["input_ids"]),
                 "truncated": prompt["truncated"],
                 "max_length": max_length,
+                **how,
             }
         )
     return records
@@ -289,14 +324,19 @@ def evaluate_longbench(
     limit: int | None = None,
     max_length: int = 31500,
     chat: bool = False,
+    query_aware: bool = True,
 ) -> dict:
     """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (METHODS.md §9.3).
+
+    ``query_aware`` (default, the paper's protocol) prefills the whole prompt; ``False`` is the
+    query-agnostic protocol of METHODS.md §9.5 (:func:`generate_with_protocol`). The result's
+    ``protocol`` says which.
 
     Returns ``{name: score (0-100), "avg": mean of the English scores, "avg_sets", ["avg8": the
     8-set mean, "avg8_sets" when multifieldqa_zh ran], "counts": {name: items},
     "records": {name: [{_id, prediction, answers, f1, length, prompt_tokens, truncated, max_length}]},
-    "max_length" (as asked; each record holds the one used), "chat", "eval_s"}``; the caller
-    stores the records.
+    "max_length" (as asked; each record holds the one used), "chat", "protocol", "eval_s"}``; the
+    caller stores the records (each with ``protocol_used`` and ``context_tokens``).
     """
     datasets = list(datasets)
     unknown = [d for d in datasets if d not in DATASET2PROMPT]
@@ -308,7 +348,7 @@ def evaluate_longbench(
     loaded = {name: load_longbench(name, data_dir, limit) for name in datasets}  # fail early
     scores, counts, records = {}, {}, {}
     for name in datasets:
-        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat)
+        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat, query_aware)
         records[name], counts[name] = recs, len(recs)
         scores[name] = dataset_score([r["f1"] for r in recs])
         log.info("longbench %s: %.2f over %d items", name, scores[name], len(recs))
@@ -319,5 +359,6 @@ def evaluate_longbench(
         "records": records,
         "max_length": max_length,
         "chat": bool(chat),
+        "protocol": protocol(bool(query_aware)),
         "eval_s": round(time.perf_counter() - t0, 2),
     }

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .longbench import apply_chat, dataset_score, generate_answer, stop_token_ids
+from .longbench import apply_chat, dataset_score, generate_with_protocol, stop_token_ids
+from .query_split import protocol, template_tail
 from .f1 import best_f1
 from .longbench_prompts import DATASET2PROMPT
 
@@ -162,14 +163,18 @@ def build_items(
 
 
 def evaluate_longqa_squad(
-    lm, n_items: int = 20, item_seed: int = 0, target_tokens=(2000, 4000), chat: bool | None = None
+    lm, n_items: int = 20, item_seed: int = 0, target_tokens=(2000, 4000), chat: bool | None = None,
+    query_aware: bool = True,
 ) -> dict:
     """F1 (0-100) of ``lm`` (a CompressedLM) on ``n_items`` longqa_squad items.
 
     ``item_seed`` draws the items (the task's seed, not the job's: see the module docstring).
     ``chat=None`` uses the chat template when the tokenizer has one (instruct models).
+    ``query_aware`` (default) prefills the whole prompt; ``False`` compresses the passages alone
+    and feeds the question (the template's text after ``{context}``) with decode semantics
+    (METHODS.md §9.5, :func:`kvbench.evals.longbench.generate_with_protocol`).
     Returns ``{"f1", "n", "records", "item_seed", "item_ids", "target_tokens", "chat",
-    "eval_s"}``.
+    "protocol", "eval_s"}``.
     """
     t0 = time.perf_counter()
     tok = lm.tokenizer
@@ -180,7 +185,10 @@ def evaluate_longqa_squad(
     for item in tqdm(items, desc="longqa_squad", unit="item"):
         text = apply_chat(tok, item["prompt"]) if use_chat else item["prompt"]
         ids = tok(text, add_special_tokens=not use_chat)["input_ids"]
-        pred = generate_answer(lm, ids, MAX_NEW_TOKENS, stop_ids)
+        tail = template_tail(PROMPT, {"input": item["question"]})
+        pred, how = generate_with_protocol(
+            lm, text, ids, tail, not use_chat, MAX_NEW_TOKENS, stop_ids, query_aware
+        )
         records.append(
             {
                 "id": item["id"],
@@ -190,6 +198,7 @@ def evaluate_longqa_squad(
                 "prompt_tokens": len(ids),
                 "gold_position": item["gold_position"],
                 "n_passages": item["n_passages"],
+                **how,
             }
         )
     return {
@@ -200,5 +209,6 @@ def evaluate_longqa_squad(
         "item_ids": [r["id"] for r in records],
         "target_tokens": list(_span(target_tokens)),
         "chat": use_chat,
+        "protocol": protocol(bool(query_aware)),
         "eval_s": round(time.perf_counter() - t0, 2),
     }

@@ -38,6 +38,8 @@ import torch
 
 from .lm_eval_tasks import LOCAL_TASKS, evaluated_split, write_local_tasks
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 #: the metric the paper's table uses per task (METHODS.md §9.2)
 HEADLINE = {
@@ -125,6 +127,8 @@ def compressed_hflm(lm, max_length: int | None = None):
 
         ``_model_call`` → ``CompressedLM.logits`` (in-pass); when the method has no in-pass
         simulation, ``_loglikelihood_tokens`` scores each request through ``CompressedLM.score``.
+        ``generate_until`` (RULER, :mod:`kvbench.evals.ruler`) generates each request greedily
+        through ``CompressedLM.generate`` / ``generate_split`` (query-agnostic).
         """
 
         def __init__(self, clm, max_length=None):
@@ -156,6 +160,80 @@ def compressed_hflm(lm, max_length: int | None = None):
             if request_str is not None:
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
             return answer
+
+        # --- generation (issue 13: RULER through lm-eval) -------------------------------------
+        #: set by a generation task: ``request -> character index where its question starts``
+        #: (or None); with ``query_aware = False`` the prompt is cut there (query_split.py)
+        query_split = None
+        query_aware = True
+        #: one dict per generated request: task, doc_id, token counts, protocol, prediction
+        generation_records: list | tuple = ()
+
+        def generate_until(self, requests, disable_tqdm=False):
+            """lm-eval's generation requests through ``CompressedLM``, one at a time, greedy:
+            ``generate`` (query-aware) or ``generate_split`` (query-agnostic), at most the
+            task's ``max_gen_toks`` new tokens, stopping at the model's EOS ids; the text is cut
+            at the task's ``until`` strings (and the EOS string) as lm-eval's HFLM does."""
+            from tqdm.auto import tqdm
+
+            self.generation_records = []
+            bar = tqdm(requests, desc="generate", unit="item", disable=disable_tqdm)
+            out = []
+            for req in bar:
+                bar.set_description(f"{getattr(req, 'task_name', None) or 'generate'}")
+                out.append(self._generate_request(req))
+            return out
+
+        def _add_special(self, text: str) -> bool:
+            """``tok_encode``'s rule: the tokenizer's default unless ``add_bos_token`` says
+            otherwise, and never when the text already starts with the BOS string."""
+            from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+
+            kw = _add_special_kwargs(None, self.add_bos_token)
+            if has_bos_prefix(text, self.tokenizer.decode(self.prefix_token_id)):
+                kw["add_special_tokens"] = False
+            return bool(kw.get("add_special_tokens", True))
+
+        def _generate_request(self, req):
+            from lm_eval.models.utils import handle_stop_sequences
+
+            from .longbench import stop_token_ids
+            from .query_split import protocol, split_ids
+
+            context, gen_kwargs = req.args[0], dict(req.args[1])
+            until = handle_stop_sequences(gen_kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id))
+            max_gen = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+            char_pos = self.query_split(req) if self.query_split is not None else None
+            ids, n_context = split_ids(self.tokenizer, context, char_pos, self._add_special(context))
+            if ids != self.tok_encode(context):
+                raise RuntimeError("generate_until: tokenization differs from lm-eval's tok_encode")
+            if len(ids) + max_gen > self.max_length:
+                log.warning("%s: prompt %d + %d new tokens exceed max_length %d",
+                            getattr(req, "task_name", "?"), len(ids), max_gen, self.max_length)
+            split = not self.query_aware and n_context < len(ids)
+            prompt = torch.tensor([ids], dtype=torch.long)
+            stops = stop_token_ids(self.clm.model, self.tokenizer)
+            if split:
+                new = self.clm.generate_split(prompt, n_context, max_gen, stops)
+            else:
+                new = self.clm.generate(prompt, max_gen, stops)
+            text = self.tok_decode(new)
+            for term in until:
+                if term:
+                    text = text.split(term)[0]
+            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
+            self.generation_records.append({
+                "task": getattr(req, "task_name", None),
+                "doc_id": getattr(req, "doc_id", None),
+                "prompt_tokens": len(ids),
+                "context_tokens": n_context,
+                "new_tokens": len(new),
+                "max_gen_toks": max_gen,
+                "protocol": protocol(not split),
+                "prediction": text,
+            })
+            return text
+        # --- end of the issue 13 generation block ---------------------------------------------
 
     return CompressedHFLM(lm, max_length=max_length)
 
