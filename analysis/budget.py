@@ -54,9 +54,10 @@ def is_fp16(method: str, target_k: float, target_v: float) -> bool:
     return method == "fp16" or (target_k == FP16_BITS and target_v == FP16_BITS)
 
 
-# by_task keys to try per metric task: kvbench runs longqa_squad inside its `longbench` task, so a
-# writer may file its figure under either name.
-TASK_FALLBACKS = {"longqa_squad": ("longqa_squad", "longbench")}
+# by_task keys to try per metric task: kvbench runs longqa_squad inside its `longbench` task, and
+# files RULER's figure under the task `ruler` whether the metric block is `ruler` or `ruler_wiki`,
+# so a writer may file a figure under either name.
+TASK_FALLBACKS = {"longqa_squad": ("longqa_squad", "longbench"), "ruler_wiki": ("ruler_wiki", "ruler")}
 
 
 def task_keys(task: str | None) -> tuple[str, ...]:

@@ -27,6 +27,9 @@ EXTRA_OPTION_COLUMNS = {
     "config.task.ppl.seqlen": "seqlen",
     "config.task.ppl.limit": "ppl_limit",
     "config.calibration.dataset": "calib",
+    # the long-context protocol (METHODS.md §9.5): query-aware and query-agnostic rows differ
+    "config.task.ruler.query_aware": "ruler_query_aware",
+    "config.task.longbench.query_aware": "longbench_query_aware",
 }
 
 

@@ -3,7 +3,7 @@
 A job's identity is the SHA-256 of its resolved config with the keys that cannot change its
 result removed: where it writes (``hydra.*``, output paths), whether to redo it (``rerun``), how it
 is tracked (``wandb.*``) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
-``frontier_row``: the rows
+``frontier_row``, ``ruler_row``: the rows
 of conf/experiment/* only select other keys, which are hashed themselves). Everything else —
 model, method and its options, budgets, seed, tasks, limits, protocol and calibration settings,
 input data paths, device — is part of it. The hash is stored in ``result.json`` as ``job_id``; a
@@ -28,7 +28,7 @@ from .results import FINISHED
 
 #: top-level keys left out of the identity (they do not change what the job computes)
 EXCLUDED_KEYS = frozenset({"hydra", "rerun", "wandb", "experiment", "main_row", "ablation_row",
-                           "frontier_row"})
+                           "frontier_row", "ruler_row"})
 ID_LENGTH = 16
 
 
