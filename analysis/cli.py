@@ -125,7 +125,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.experiment:
             from analysis.select import experiment_of
             frame = frame[experiment_of(frame) == args.experiment]
-        text, written = frontier_report(frame, args.metric, args.figures)
+        text, written = frontier_report(frame, args.metric, args.figures,
+                                        Path(args.out).parent if args.out else None)
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
         emit(text, args.out)

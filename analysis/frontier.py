@@ -31,6 +31,7 @@ Decisions where METHODS.md is silent:
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -222,9 +223,10 @@ def default_metrics(frame: pd.DataFrame) -> list[str]:
     return out + ([long] if long else [])
 
 
-def frontier_report(frame: pd.DataFrame, metrics: list[str] | None, figures: str | Path | None
-                    ) -> tuple[str, list[Path]]:
-    """The Markdown report and the PNGs written (none when ``figures`` is None)."""
+def frontier_report(frame: pd.DataFrame, metrics: list[str] | None, figures: str | Path | None,
+                    markdown_dir: str | Path | None = None) -> tuple[str, list[Path]]:
+    """The Markdown report and the PNGs written (none when ``figures`` is None). Image links are
+    relative to ``markdown_dir`` (where the report is written; None: the working directory)."""
     metrics = metrics or default_metrics(frame)
     if not metrics:
         raise NoResultsError("no run reports PPL or a long-context metric")
@@ -249,7 +251,8 @@ def frontier_report(frame: pd.DataFrame, metrics: list[str] | None, figures: str
             if figures is not None:
                 path = _save(points[points["model"] == model], metric, model, words, datasets, figures)
                 written.append(path)
-            lines += model_section(points, statuses, model, metric, words, path)
+            link = None if path is None else Path(os.path.relpath(path, markdown_dir or "."))
+            lines += model_section(points, statuses, model, metric, words, link)
     return "\n".join(lines), written
 
 
