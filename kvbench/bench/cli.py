@@ -131,6 +131,11 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def verdict_summary(rows: list[Row]) -> dict:
+    """Rows and PASS / MISS / INFO counts of a report."""
+    return {"rows": len(rows), **{v.lower(): sum(r.verdict == v for r in rows) for v in ("PASS", "MISS", "INFO")}}
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes = PRESETS[preset]
@@ -200,12 +205,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "load_avg": {"start": load_start, "end": _loadavg()},
         "seconds": {**seconds, "total": time.perf_counter() - t_start},
         "rows": [r.as_dict() for r in ordered],
-        "summary": {
-            "rows": len(ordered),
-            "pass": sum(r.verdict == "PASS" for r in ordered),
-            "miss": sum(r.verdict == "MISS" for r in ordered),
-            "info": sum(r.verdict == "INFO" for r in ordered),
-        },
+        "summary": verdict_summary(ordered),
         "table_markdown": markdown_table(ordered),
         "_rows": ordered,
     }

@@ -54,7 +54,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from . import e2e  # noqa: E402
-from .cli import _loadavg, machine, markdown_table, write_and_print  # noqa: E402
+from .cli import _loadavg, machine, markdown_table, verdict_summary, write_and_print  # noqa: E402
 from .common import EVAL_CASES, INFO, PRESETS, BenchModel, Row, budget_label, calib_windows, make_method  # noqa: E402
 
 log = logging.getLogger("kvbench.gpu_check")
@@ -298,8 +298,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "e2e_model": e2e_info,
         "seconds": seconds,
         "rows": [r.as_dict() for r in rows],
-        "summary": {"rows": len(rows), "pass": sum(r.verdict == "PASS" for r in rows),
-                    "miss": sum(r.verdict == "MISS" for r in rows), "info": sum(r.verdict == "INFO" for r in rows)},
+        "summary": verdict_summary(rows),
         "table_markdown": markdown_table(rows),
         "_rows": rows,
     }
