@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     abl.add_argument("--ppl-dataset", default=None, metavar="NAME",
                      help="PPL dataset of the PPL column (default: the first of wikitext2, ptb, "
                           "c4, then alphabetical, that every run with PPL reports)")
+    abl.add_argument("--times", action="store_true",
+                     help="add the allocation, calibration and layer-sensitivity wall times "
+                          "(timings.*_s; e.g. experiment=cobra_plus_ablation)")
 
     plot = sub.add_parser("plot", parents=[common], help="rate-distortion PNGs, one per model")
     plot.add_argument("--metric", default=None,
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     elif args.command == "ablation":
         from analysis.tables import ablation_table
         write_table(ablation_table(frame, args.ppl_dataset, args.longbench_metric,
-                                   args.experiment), args)
+                                   args.experiment, times=args.times), args)
     elif args.command == "frontier":
         from analysis.frontier import frontier_report
         if args.experiment:

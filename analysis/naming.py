@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-METHOD_ORDER = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o", "snapkv", "compose"]
+METHOD_ORDER = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "cobra_plus", "h2o", "snapkv",
+                "compose"]
 
 METHOD_NAMES = {
     "fp16": "FP16",
@@ -18,6 +19,7 @@ METHOD_NAMES = {
     "kqsvd": "KQ-SVD",
     "cobra_mse": "KV-COBRA-MSE",
     "cobra_kl": "KV-COBRA-KL",
+    "cobra_plus": "KV-COBRA+",  # METHODS.md §13 (method.variant kl | mse shown as an option where both occur)
     "h2o": "H2O",
     "snapkv": "SnapKV",
     "compose": "Compose",  # named by its parts where the options say them (plot.line_label)
@@ -56,6 +58,7 @@ DEFAULT_OPTIONS = {
     "cobra_kl": {"c2": True, "rotation": "hadamard"},
     "cobra_mse": {"c2": True, "rotation": "hadamard"},
     "kqsvd": {"rotation": "none"},
+    "cobra_plus": {"ablate": "none"},  # experiment=cobra_plus_ablation: one part removed per row
 }
 
 # Methods whose K/V budget splits belong to the ablation table, in the ablation's row order

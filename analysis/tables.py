@@ -9,6 +9,7 @@ Without options, the PPL datasets and the long-context metric are the ones the t
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -310,8 +311,9 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
         table.notes.append("No column for " + ", ".join(absent)
                            + ": no run of this table reports it (task not run).")
     if excluded:
-        table.notes.append(f"{excluded} ablation run(s) (experiment=ablation, or non-default "
-                           "c2/rotation) are left out; see `python -m analysis ablation`.")
+        table.notes.append(f"{excluded} ablation run(s) (experiment=ablation, non-default "
+                           "c2/rotation, or cobra_plus with method.ablate) are left out; see "
+                           "`python -m analysis ablation`.")
     return table
 def _deviation_words(method: str, devs: dict) -> list[str]:
     """``{"c2": False}`` -> ``["w/o C2"]``; ``{"rotation": "none"}`` -> ``["w/o Hadamard"]``."""
@@ -326,9 +328,31 @@ def _deviation_words(method: str, devs: dict) -> list[str]:
                 words.append("+ Hadamard")
             else:
                 words.append(f"rotation={value}")
+        elif key == "ablate":  # cobra_plus: the part removed (sensitivity, off by default: turned on)
+            words.append("+ sensitivity" if value == "sensitivity" else f"w/o {value}")
         else:
             words.append(f"{key}={value}")
     return words
+
+
+#: (header, column) of the ablation table's cost columns, shown when some run reports them
+TIME_COLUMNS = [("alloc. s", "timings.allocate_s"), ("calib. s", "timings.calibrate_s"),
+                ("sens. s", "timings.sensitivity_s")]
+
+
+def _time_cell(runs: pd.DataFrame, column: str) -> Cell:
+    """Mean wall time over the runs that spent it (0 = found in the cache: left out of the mean,
+    except for the allocation, which every run does); "none" where no run of the row has the step
+    (e.g. no layer-sensitivity passes)."""
+    values = [] if column not in runs.columns else [v for v in _column(runs, column) if not math.isnan(v)]
+    if not values:
+        return Cell("none")
+    if column != "timings.allocate_s":
+        if not any(v > 0 for v in values):
+            return Cell("cached")
+        values = [v for v in values if v > 0]
+    mean = statistics.fmean(values)
+    return Cell(f"{mean:.2f}" if mean < 10 else f"{mean:.0f}", mean, None, len(values))
 
 
 def ablation_label(method: str, target_k: float, target_v: float, options: dict) -> str:
@@ -357,20 +381,23 @@ def ablation_label(method: str, target_k: float, target_v: float, options: dict)
 
 def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
                    longbench_metric: str | None = None,
-                   experiment: str | None = None) -> Table:
-    """The ablation table: K/V splits (KV-COBRA vs KQ-SVD) and the w/o C2 / w/o Hadamard rows.
+                   experiment: str | None = None, times: bool = False) -> Table:
+    """The ablation table: K/V splits (KV-COBRA vs KQ-SVD), the w/o C2 / w/o Hadamard rows and
+    cobra_plus's part-removed rows (``method.ablate``).
 
     Rows: per model, first the K/V splits (by method, T, K budget), then the K-only rows (the
     default method as reference, then its ablated variants). Columns: config, model, target
     (K, V) bpd, measured (K, V), PPL on ``ppl_dataset``, long-context metric, n. None: the PPL
     dataset (first of wikitext2, ptb, c4, then alphabetical, among those every run with PPL
-    reports) and the long-context metric the runs have (analysis.defaults).
+    reports) and the long-context metric the runs have (analysis.defaults). ``times``: the
+    allocation, calibration and layer-sensitivity wall-time columns (:data:`TIME_COLUMNS`).
     """
     frame = add_variants(frame)
     frame = _restrict(frame, experiment) if experiment else select_ablation(frame)
     if frame.empty:
         raise NoResultsError("no ablation runs (K/V splits of cobra_kl/cobra_mse/kqsvd, "
-                             "experiment=ablation, or non-default c2/rotation)")
+                             "experiment=ablation, non-default c2/rotation, or cobra_plus with "
+                             "method.ablate)")
     frame = drop_duplicate_seeds(frame)
     choice = None
     if ppl_dataset is None:
@@ -387,9 +414,10 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
         metrics.append((Column(f"{ppl_dataset_name(ppl_dataset)} PPL ↓", "stat"), ppl_col))
     if long_metric is not None:
         metrics.append((Column(_long_column_header(long_metric), "stat"), long_metric))
+    timed = [(Column(head, "num"), col) for head, col in TIME_COLUMNS if times and _reported(frame, col)]
     table = Table(columns=[
         Column("Config"), Column("Model"), Column("(K_bpd, V_bpd)"), Column("meas. (K, V)", "num"),
-        *(c for c, _ in metrics), Column("n", "num"),
+        *(c for c, _ in metrics), *(c for c, _ in timed), Column("n", "num"),
     ], group_column=1)
 
     def sort_key(run, options):
@@ -421,7 +449,8 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
             Cell(label), Cell(model_name(first.model)),
             Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})"
                  + (DAGGER if headline else "")),
-            measured, *(cells[m] for _, m in metrics), count_cell(statuses),
+            measured, *(cells[m] for _, m in metrics), *(_time_cell(runs, col) for _, col in timed),
+            count_cell(statuses),
         ])
 
     table.notes.append(
@@ -441,6 +470,13 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
         table.notes.append(note)
     if long_metric is not None:
         table.notes.append(long_note(frame, long_metric, long_others))
+    if timed:
+        table.notes.append(
+            "alloc. s = the budget allocation's wall time (timings.allocate_s), mean over the runs; "
+            "calib. s = the calibration statistics' wall time, mean over the runs that computed "
+            "them (a run that found them in $KVBENCH_CACHE took 0 and is left out; 'cached' = "
+            "every run did); sens. s = the layer-sensitivity passes (and the K/V exchange-rate "
+            "passes of cobra_plus's joint K/V allocation), likewise; none = the row has no such step.")
     convention = bpd_convention_note(frame)
     if convention:
         table.notes.append(convention)

@@ -108,7 +108,7 @@ import torch
 
 from .base import KVMethod, LayerState, Unsupported, rotate_half
 from .codec_state import Codec, CodecLayerState
-from .groupquant import dequantize_groups, quantize_groups
+from .groupquant import fake_quantize_groups, quantize_dequantize_groups
 from .h2o import H2OLayerState
 from .kivi import KiviLayerState
 from .snapkv import SnapKVLayerState
@@ -626,9 +626,8 @@ class KiviComposedState(_ComposedState):
         mn = xg.amin(dim=3, keepdim=True)
         mn = torch.where(torch.isinf(mn), torch.zeros_like(mn), mn)  # groups with no member
         filled = torch.where(torch.isinf(xg), mn, xg).reshape(b, h, s, d)  # holes take the min
-        gp = quantize_groups(filled, self.bits, self.group, axis=2)
+        gp, hat = quantize_dequantize_groups(filled, self.bits, self.group, axis=2)
         self._meta_bits = 8 * (gp.scale.element_size() + gp.minimum.element_size())
-        hat = dequantize_groups(gp).to(k.dtype)
         hat = torch.cat([hat, hat.new_zeros(b, h, 1, d)], dim=2)
         k_new = torch.where(sel[..., None], hat.gather(2, slot[..., None].expand(*slot.shape, d)), k)
         self.evict.replace_kept_kv(k_new, v)
@@ -641,8 +640,8 @@ class KiviComposedState(_ComposedState):
         k, v = self.evict.kept_kv()
         arr = self.arrivals()
         sel = (arr >= lo) & (arr < hi)
-        hat = dequantize_groups(quantize_groups(v, self.v_bits, self._value_group(v.shape[-1]), axis=3))
-        self.evict.replace_kept_kv(k, torch.where(sel[..., None], hat.to(v.dtype), v))
+        hat = fake_quantize_groups(v, self.v_bits, self._value_group(v.shape[-1]), axis=3)
+        self.evict.replace_kept_kv(k, torch.where(sel[..., None], hat, v))
 
     def _quantize_value(self, a: int) -> None:
         """Quantize the held value of arrival ``a`` (one decode step), in place in the cache."""
@@ -653,7 +652,7 @@ class KiviComposedState(_ComposedState):
         hit = self.arrivals() == a  # [B, H, C]: at most one held token per head
         j = hit.to(torch.int8).argmax(dim=-1)[..., None, None].expand(*hit.shape[:2], 1, v.shape[-1])
         x = v.gather(2, j)
-        hat = dequantize_groups(quantize_groups(x, self.v_bits, g, axis=3)).to(v.dtype)
+        hat = fake_quantize_groups(x, self.v_bits, g, axis=3)
         v.scatter_(2, j, torch.where(hit.any(dim=-1)[..., None, None], hat, x))
 
     def held_bits(self) -> tuple[torch.Tensor, torch.Tensor]:

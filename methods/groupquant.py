@@ -18,8 +18,8 @@ Decisions where METHODS.md is silent:
   and the reconstruction use the rounded values, so the codes are the nearest points of the grid
   that dequantization actually produces (KIVI computes them in fp16 arithmetic, to the same
   effect).
-* The guard ``s >= 1e-8`` is applied in float32 before rounding; 1e-8 is below the smallest fp16
-  subnormal (2^-24 ~ 6e-8) and would round to 0, so the stored scale is floored at 2^-24. A constant
+* The guard ``s >= 1e-8``: 1e-8 is below the smallest fp16 subnormal (2^-24 ~ 6e-8) and would
+  round to 0, so the stored scale is floored at 2^-24 (which is all the guard does). A constant
   group then reconstructs as ``mn`` (fp16-rounded) and nothing divides by zero.
 * Arithmetic in float32 (inputs in bf16/fp16 are upcast); the reconstruction is cast back to the
   input dtype. Values beyond the fp16 range (|x| > 65504) are not supported (fp16 metadata).
@@ -35,7 +35,6 @@ import torch
 from .attention import work_dtype
 from .packing import pack_bits, unpack_bits
 
-SCALE_GUARD = 1e-8
 FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal)
 
 
@@ -69,23 +68,44 @@ def _grouped(x: torch.Tensor, group: int, axis: int) -> torch.Tensor:
 
 
 def fp16_params(xg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 (scale, minimum) of groups along the last axis of float32 ``xg``."""
-    mn = xg.amin(dim=-1)
-    mx = xg.amax(dim=-1)
-    s = ((mx - mn) / float((1 << bits) - 1)).clamp_min(SCALE_GUARD)
+    """fp16 (scale, minimum) of groups along the last axis of float32 ``xg``.
+
+    The guard ``s >= 1e-8`` is the fp16 floor alone: 1e-8 rounds to fp16 0, so clamping at 1e-8
+    before the cast and at 2^-24 after it gives what the cast and the 2^-24 floor give (one op
+    fewer per call: issue 15, item 6)."""
+    mn, mx = torch.aminmax(xg, dim=-1)
+    s = (mx - mn) / float((1 << bits) - 1)
     return s.half().clamp_min(FP16_TINY), mn.half()
+
+
+def _codes(xg: torch.Tensor, bits: int):
+    """(fp16 scale, fp16 minimum, their working-dtype copies, float codes) of groups ``xg``."""
+    s16, mn16 = fp16_params(xg, bits)
+    scale, low = s16.to(xg.dtype)[..., None], mn16.to(xg.dtype)[..., None]
+    q = ((xg - low) / scale).round().clamp(0, (1 << bits) - 1)
+    return s16, mn16, scale, low, q
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int = -1) -> GroupPacked:
     """Quantize ``x`` in groups of ``group`` consecutive elements along ``axis``."""
+    return quantize_dequantize_groups(x, bits, group, axis, decode=False)[0]
+
+
+def quantize_dequantize_groups(
+    x: torch.Tensor, bits: int, group: int, axis: int = -1, *, decode: bool = True
+) -> tuple[GroupPacked, torch.Tensor | None]:
+    """(:func:`quantize_groups` of ``x``, its reconstruction): the reconstruction is computed from
+    the codes before they are packed, so it equals ``dequantize_groups`` of the pack bit for bit
+    without unpacking it (what the layer states store and then read: issue 15, item 6)."""
     if not (isinstance(bits, int) and 1 <= bits <= 8):
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
     axis = axis % x.ndim
     xg = _grouped(x, group, axis).to(work_dtype(x))
-    s16, mn16 = fp16_params(xg, bits)
-    q = ((xg - mn16.to(xg.dtype)[..., None]) / s16.to(xg.dtype)[..., None]).round()
-    q = q.clamp(0, (1 << bits) - 1).to(torch.uint8)
-    return GroupPacked(pack_bits(q, bits), s16, mn16, bits, group, axis, tuple(x.shape), x.dtype)
+    s16, mn16, scale, low, q = _codes(xg, bits)
+    gp = GroupPacked(pack_bits(q.to(torch.uint8), bits), s16, mn16, bits, group, axis, tuple(x.shape), x.dtype)
+    if not decode:
+        return gp, None
+    return gp, _ungrouped(q * scale + low, axis).to(x.dtype)
 
 
 def group_codes(gp: GroupPacked) -> torch.Tensor:
@@ -93,18 +113,22 @@ def group_codes(gp: GroupPacked) -> torch.Tensor:
     return unpack_bits(gp.codes, gp.nbits, gp.group)
 
 
+def _ungrouped(xg: torch.Tensor, axis: int) -> torch.Tensor:
+    """Inverse of :func:`_grouped`: [..., n/G, G] back to the input's layout (a view)."""
+    return xg.reshape(*xg.shape[:-2], -1).movedim(-1, axis)
+
+
 def dequantize_groups(gp: GroupPacked) -> torch.Tensor:
     """x_hat = q * s + mn with the stored fp16 s and mn, in the original shape and dtype."""
     dt = torch.float64 if gp.dtype == torch.float64 else torch.float32
     q = unpack_bits(gp.codes, gp.nbits, gp.group, dtype=torch.uint8).to(dt)
     xg = q * gp.scale.to(dt)[..., None] + gp.minimum.to(dt)[..., None]
-    xm = xg.reshape(*xg.shape[:-2], -1)
-    return xm.movedim(-1, gp.axis).to(gp.dtype)
+    return _ungrouped(xg, gp.axis).to(gp.dtype)
 
 
 def fake_quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int = -1) -> torch.Tensor:
     """Quantize then dequantize (the value attention reads)."""
-    return dequantize_groups(quantize_groups(x, bits, group, axis))
+    return quantize_dequantize_groups(x, bits, group, axis)[1]
 
 
 def nominal_group_bits(n_elements: int, bits: int, group: int) -> int:

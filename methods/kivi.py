@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from .attention import causal_attention, causal_mask, work_dtype
 from .base import KVMethod, LayerState, Unsupported, held_bits, query_positions
-from .groupquant import GroupPacked, dequantize_groups, quantize_groups
+from .groupquant import quantize_dequantize_groups
 
 BITS_GRID = (1, 2, 3, 4, 8)
 GROUP_GRID = (32, 64, 128)
@@ -106,7 +106,10 @@ HOST_RANGE = "kvbench.host"
 
 
 def host_ops():
-    """``with host_ops():`` marks bookkeeping on CPU tensors for the op count (:data:`HOST_RANGE`)."""
+    """``with host_ops():`` marks bookkeeping on CPU tensors for the op count (:data:`HOST_RANGE`);
+    a no-op outside a profiler (a range costs tens of microseconds, twice per layer per pass)."""
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
     return torch.autograd.profiler.record_function(HOST_RANGE)
 
 
@@ -464,23 +467,24 @@ class _SideStore:
 
     def flush(self, n_quant_new: int, quantize) -> None:
         """Quantize positions n_quant..n_quant_new-1 (complete groups), replacing them in ``buf``
-        by their decoded form."""
+        by their decoded form (``quantize(x)`` -> (pack, decoded x), as
+        :func:`methods.groupquant.quantize_dequantize_groups`)."""
         m = n_quant_new - self.n_quant
         if m <= 0:
             return
         x = self.buf.data[:, :, self.n_quant : n_quant_new]
-        gp: GroupPacked = quantize(x)
+        gp, hat = quantize(x)
         self.packed.append(gp)
         self._packed_bits += gp.bits()
-        self.buf.write(self.n_quant, dequantize_groups(gp).to(x.dtype))
+        self.buf.write(self.n_quant, hat)
         self.n_quant = n_quant_new
 
     def append_quantized(self, x_new: torch.Tensor, quantize) -> None:
         """Quantize ``x_new`` on arrival (no full-precision tail) and append its decoded form."""
-        gp: GroupPacked = quantize(x_new)
+        gp, hat = quantize(x_new)
         self.packed.append(gp)
         self._packed_bits += gp.bits()
-        self.buf.append(dequantize_groups(gp).to(x_new.dtype))
+        self.buf.append(hat)
         self.n_quant += x_new.shape[2]
 
 
@@ -512,9 +516,9 @@ class KiviLayerState(LayerState):
     _seen: int = 0
 
     def _quantizers(self, v):
-        qk = lambda x: quantize_groups(x, self.bits, self.group, axis=2)  # noqa: E731
+        qk = lambda x: quantize_dequantize_groups(x, self.bits, self.group, axis=2)  # noqa: E731
         vg = self.v_group or min(self.group, v.shape[-1])
-        qv = lambda x: quantize_groups(x, self.v_bits, vg, axis=3)  # noqa: E731
+        qv = lambda x: quantize_dequantize_groups(x, self.v_bits, vg, axis=3)  # noqa: E731
         return qk, qv
 
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):

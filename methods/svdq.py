@@ -66,7 +66,7 @@ import torch
 
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
-from .groupquant import FP16_TINY, SCALE_GUARD, GroupPacked, quantize_groups
+from .groupquant import FP16_TINY, GroupPacked, quantize_dequantize_groups
 from .kivi import (
     SDPA_MIN_QUERIES,
     Growing,
@@ -175,9 +175,8 @@ def quantize_latents(c: torch.Tensor, schedule, m: int, group: int) -> tuple[lis
     b, h, t, n = c.shape
     levels, zero = _levels(tuple(schedule), m, c.dtype, str(c.device))
     xg = c.movedim(2, -1).reshape(b, h, n, t // group, group)
-    mn = xg.amin(dim=-1)
-    s = ((xg.amax(dim=-1) - mn) / levels[:, None]).clamp_min(SCALE_GUARD)
-    s16, mn16 = s.half().clamp_min(FP16_TINY), mn.half()
+    mn, mx = torch.aminmax(xg, dim=-1)
+    s16, mn16 = ((mx - mn) / levels[:, None]).half().clamp_min(FP16_TINY), mn.half()  # guard: fp16_params
     scale, low = s16.to(c.dtype)[..., None], mn16.to(c.dtype)[..., None]
     q = torch.clamp(((xg - low) / scale).round(), zero, levels[:, None, None])
     codes = q.to(torch.uint8)
@@ -323,7 +322,7 @@ class SVDqLayerState(LayerState):
             v_all = self.v_exact.data
         else:  # quantized on arrival, no residual window
             vg = self.v_group or min(32, v.shape[-1])
-            self.v.append_quantized(v, lambda x: quantize_groups(x, self.v_bits, vg, axis=3))
+            self.v.append_quantized(v, lambda x: quantize_dequantize_groups(x, self.v_bits, vg, axis=3))
             v_all = self.v.buf.data
         out = None
         if single:  # the query at n0 reads keys < G_t floor(n0/G_t) = pk quantized: the buffer as is

@@ -127,7 +127,7 @@ MAIN_MD = """\
 - fail = at least one run failed (k/n = failed of all runs; see `error` in its result.json); rerun it before reporting.
 - missing = the metric is not in the result files (task not run); never filled in.
 - (n=k) = only k of the ok runs report this metric; mean ± std over those k.
-- 12 ablation run(s) (experiment=ablation, or non-default c2/rotation) are left out; see `python -m analysis ablation`.
+- 12 ablation run(s) (experiment=ablation, non-default c2/rotation, or cobra_plus with method.ablate) are left out; see `python -m analysis ablation`.
 """
 
 ABLATION_MD = """\
@@ -402,3 +402,29 @@ def test_task_the_method_cannot_run_is_na_not_missing(tmp_path, capsys):
     assert cells(snap).count("n/a") == 2 and "missing" not in snap
     assert cells(h2o).count("missing") == 2 and "n/a" not in h2o
     assert "n/a = not applicable" in out
+
+
+def test_cobra_plus_ablation_rows_and_times(tmp_path, capsys):
+    """experiment=cobra_plus_ablation: one row per removed part (method.ablate), the full method
+    as reference, found without --experiment; --times adds the cost columns, a calibration found
+    in the cache (0 s) is left out of its mean."""
+    root = tmp_path / "runs"
+    for ablate, base in (("none", 90.0), ("q_model", 120.0), ("sensitivity", 88.0)):
+        for s in range(2):
+            path = write_run(root, f"cp/{ablate}_s{s}", model="smollm2_135m", method="cobra_plus",
+                             seed=s, ppl={"ptb": base + s}, options={"ablate": ablate},
+                             experiment="cobra_plus_ablation")
+            record = json.loads(path.read_text())
+            record["timings"] = {"calibrate_s": 70.0 if s == 0 else 0.0, "allocate_s": 1.5 + s}
+            path.write_text(json.dumps(record))
+    code, out, err = run_cli(["ablation", str(root), "--times"], capsys)
+    assert code == 0, err
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "cobra" in line.lower()}
+    labels = list(rows)
+    assert any("w/o q_model" in lab for lab in labels) and any("+ sensitivity" in lab for lab in labels)
+    full = next(lab for lab in labels if "w/o" not in lab and "+ sensitivity" not in lab)
+    assert rows[full][3] == "90.50 ± 0.71"  # PTB over seeds 0 and 1
+    assert rows[full][4:6] == ["2.00", "70"]  # alloc. mean of 1.5 and 2.5; calib. of the run that computed it
+    code, plain, _ = run_cli(["ablation", str(root)], capsys)
+    assert code == 0 and "alloc. s" not in plain and "alloc. s" in out

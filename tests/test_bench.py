@@ -291,3 +291,10 @@ def test_device_check_rows_follow_the_tolerance():
     assert verdict[("inpass", "kivi")] == "PASS" and verdict[("inpass", "svdq")] == "MISS"
     assert verdict[("ppl", "kivi")] == "PASS" and verdict[("ppl", "h2o")] == "MISS"
     assert [r.verdict for r in rows if r.section == "smollm2"] == ["MISS"]
+
+
+def test_zeroshot_method_subset_and_unknown_name():
+    assert [c[0] for c in shortseq.cases_named(["cobra_kl", "kivi"])] == ["kivi", "cobra_kl"]
+    assert shortseq.cases_named(None) == shortseq.EVAL_CASES
+    with pytest.raises(SystemExit, match="valid choices: kivi, svdq"):
+        shortseq.cases_named(["nope"])

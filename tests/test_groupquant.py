@@ -8,6 +8,7 @@ from methods.groupquant import (
     dequantize_groups,
     fake_quantize_groups,
     group_codes,
+    quantize_dequantize_groups,
     quantize_groups,
 )
 
@@ -118,3 +119,16 @@ def test_rejects_incomplete_groups_and_bad_bits():
         quantize_groups(torch.zeros(1, 30), 2, 32)
     with pytest.raises(ValueError):
         quantize_groups(torch.zeros(1, 32), 9, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bits,axis", [(1, 2), (2, 2), (3, 3), (4, 2), (8, 3)])
+def test_reconstruction_from_codes_is_the_unpacked_one(dtype, bits, axis):
+    """quantize_dequantize_groups reconstructs from the codes before packing: bit for bit
+    dequantize_groups of the pack it returns (what the layer states store and read)."""
+    x = (torch.randn(2, 3, 64, 32, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    x[0, 0, :32, 0] = 1.25  # a constant group (scale at the fp16 floor)
+    gp, hat = quantize_dequantize_groups(x, bits, 16, axis=axis)
+    assert hat.dtype == dtype and hat.shape == x.shape
+    assert torch.equal(hat, dequantize_groups(gp))
+    assert torch.equal(gp.codes, quantize_groups(x, bits, 16, axis=axis).codes)

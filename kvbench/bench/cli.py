@@ -28,6 +28,7 @@ llama3_8b_random`` builds a randomly initialized model of Llama-3.1-8B's shape (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -69,6 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(DEFAULT),
                    help=f"comma-separated subset of {','.join(ORDER)} (default: all but e2e; overhead and "
                         "zeroshot need calibration's statistics, run anyway)")
+    z = p.add_argument_group("zeroshot section")
+    z.add_argument("--zs-methods", default=None,
+                   help=f"comma-separated subset of {','.join(c[0] for c in shortseq.EVAL_CASES)} (default: all)")
+    z.add_argument("--zs-reps", type=int, default=None,
+                   help="paired passes per method (default 3; --quick 2): more narrows the ratio's noise")
     e = p.add_argument_group("e2e section")
     e.add_argument("--e2e-lengths", default=None,
                    help="comma-separated prompt lengths (default: 4096,8192,16384,32768; --quick 4096,8192)")
@@ -139,6 +145,7 @@ def verdict_summary(rows: list[Row]) -> dict:
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes = PRESETS[preset]
+    sizes_zs = sizes if args.zs_reps is None else dataclasses.replace(sizes, zs_reps=args.zs_reps)
     wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(ORDER))
     if unknown:
@@ -168,7 +175,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             elif section == "overhead":
                 rows[section] = overhead.run(bm, sizes, stats)
             elif section == "zeroshot":
-                rows[section] = shortseq.run(bm, sizes, stats)
+                rows[section] = shortseq.run(bm, sizes_zs, stats, shortseq.cases_named(_csv(args.zs_methods)))
             elif section == "allocation":
                 rows[section] = allocation.run(sizes)
             elif section == "codecs":
