@@ -125,7 +125,7 @@ def interleaved_requests(fp16, lm, requests, max_len, setup, teardown, reps: int
 
     The ratio is sum_i min_r t_method[r, i] / sum_i min_r t_fp16[r, i]: per request the fastest of
     its repetitions on each side (on a shared machine load only ever adds time), the two sides
-    measured seconds apart, so a slow stretch of the machine hits both. Also returned: each
+    measured a fraction of a second apart, so a slow stretch of the machine hits both. Also returned: each
     repetition's pass-level ratio (sum over its requests) and their median."""
     n = len(requests)
     tb = [[0.0] * n for _ in range(max(1, reps))]
