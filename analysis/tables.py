@@ -335,19 +335,21 @@ def _deviation_words(method: str, devs: dict) -> list[str]:
     return words
 
 
-#: (header, column) of the ablation table's cost columns, shown when some run reports them
-TIME_COLUMNS = [("alloc. s", "timings.allocate_s"), ("calib. s", "timings.calibrate_s"),
-                ("sens. s", "timings.sensitivity_s")]
+#: (header, column, cached) of the ablation table's cost columns, shown when some run reports
+#: them; ``cached``: a 0 means the step's result was found in $KVBENCH_CACHE (the allocation is
+#: never cached: every run does it)
+TIME_COLUMNS = [("alloc. s", "timings.allocate_s", False), ("calib. s", "timings.calibrate_s", True),
+                ("sens. s", "timings.sensitivity_s", True)]
 
 
-def _time_cell(runs: pd.DataFrame, column: str) -> Cell:
-    """Mean wall time over the runs that spent it (0 = found in the cache: left out of the mean,
-    except for the allocation, which every run does); "none" where no run of the row has the step
-    (e.g. no layer-sensitivity passes)."""
+def _time_cell(runs: pd.DataFrame, column: str, cached: bool) -> Cell:
+    """Mean wall time over the runs that spent it (with ``cached``, a 0 = found in the cache is
+    left out of the mean); "none" where no run of the row has the step (e.g. no
+    layer-sensitivity passes)."""
     values = [] if column not in runs.columns else [v for v in _column(runs, column) if not math.isnan(v)]
     if not values:
         return Cell("none")
-    if column != "timings.allocate_s":
+    if cached:
         if not any(v > 0 for v in values):
             return Cell("cached")
         values = [v for v in values if v > 0]
@@ -414,10 +416,11 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
         metrics.append((Column(f"{ppl_dataset_name(ppl_dataset)} PPL ↓", "stat"), ppl_col))
     if long_metric is not None:
         metrics.append((Column(_long_column_header(long_metric), "stat"), long_metric))
-    timed = [(Column(head, "num"), col) for head, col in TIME_COLUMNS if times and _reported(frame, col)]
+    timed = [(Column(head, "num"), col, cached) for head, col, cached in TIME_COLUMNS
+             if times and _reported(frame, col)]
     table = Table(columns=[
         Column("Config"), Column("Model"), Column("(K_bpd, V_bpd)"), Column("meas. (K, V)", "num"),
-        *(c for c, _ in metrics), *(c for c, _ in timed), Column("n", "num"),
+        *(c for c, _ in metrics), *(c for c, _, _ in timed), Column("n", "num"),
     ], group_column=1)
 
     def sort_key(run, options):
@@ -449,7 +452,7 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
             Cell(label), Cell(model_name(first.model)),
             Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})"
                  + (DAGGER if headline else "")),
-            measured, *(cells[m] for _, m in metrics), *(_time_cell(runs, col) for _, col in timed),
+            measured, *(cells[m] for _, m in metrics), *(_time_cell(runs, col, cached) for _, col, cached in timed),
             count_cell(statuses),
         ])
 

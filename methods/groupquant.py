@@ -73,9 +73,14 @@ def fp16_params(xg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     The guard ``s >= 1e-8`` is the fp16 floor alone: 1e-8 rounds to fp16 0, so clamping at 1e-8
     before the cast and at 2^-24 after it gives what the cast and the 2^-24 floor give (one op
     fewer per call: issue 15, item 6)."""
+    return fp16_scale_min(xg, float((1 << bits) - 1))
+
+
+def fp16_scale_min(xg: torch.Tensor, levels) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (scale, minimum) of groups along the last axis of ``xg`` for ``levels`` = 2^b - 1 (a
+    number, or a tensor broadcasting against the groups: SVDq's per-channel widths)."""
     mn, mx = torch.aminmax(xg, dim=-1)
-    s = (mx - mn) / float((1 << bits) - 1)
-    return s.half().clamp_min(FP16_TINY), mn.half()
+    return ((mx - mn) / levels).half().clamp_min(FP16_TINY), mn.half()
 
 
 def _codes(xg: torch.Tensor, bits: int):

@@ -66,7 +66,7 @@ import torch
 
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
-from .groupquant import FP16_TINY, GroupPacked, quantize_dequantize_groups
+from .groupquant import GroupPacked, fp16_scale_min, quantize_dequantize_groups
 from .kivi import (
     SDPA_MIN_QUERIES,
     Growing,
@@ -175,8 +175,7 @@ def quantize_latents(c: torch.Tensor, schedule, m: int, group: int) -> tuple[lis
     b, h, t, n = c.shape
     levels, zero = _levels(tuple(schedule), m, c.dtype, str(c.device))
     xg = c.movedim(2, -1).reshape(b, h, n, t // group, group)
-    mn, mx = torch.aminmax(xg, dim=-1)
-    s16, mn16 = ((mx - mn) / levels[:, None]).half().clamp_min(FP16_TINY), mn.half()  # guard: fp16_params
+    s16, mn16 = fp16_scale_min(xg, levels[:, None])
     scale, low = s16.to(c.dtype)[..., None], mn16.to(c.dtype)[..., None]
     q = torch.clamp(((xg - low) / scale).round(), zero, levels[:, None, None])
     codes = q.to(torch.uint8)

@@ -74,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     z.add_argument("--zs-methods", default=None,
                    help=f"comma-separated subset of {','.join(c[0] for c in shortseq.EVAL_CASES)} (default: all)")
     z.add_argument("--zs-reps", type=int, default=None,
-                   help="paired passes per method (default 3; --quick 2): more narrows the ratio's noise")
+                   help="repetitions over the requests per method, FP16 and the method interleaved request "
+                        "by request (default 3; --quick 2): more narrows the ratio's noise")
     e = p.add_argument_group("e2e section")
     e.add_argument("--e2e-lengths", default=None,
                    help="comma-separated prompt lengths (default: 4096,8192,16384,32768; --quick 4096,8192)")
