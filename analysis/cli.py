@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {main-table,ablation,plot,frontier} [RUNS_DIR] [options]``."""
+"""Command line: ``python -m analysis {main-table,ablation,ruler,plot,frontier} [RUNS_DIR] [options]``."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ EXIT_NO_RESULTS = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with its three sub-commands."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("runs_dir", nargs="?", metavar="RUNS_DIR",
+    """The argument parser with its sub-commands."""
+    source = argparse.ArgumentParser(add_help=False)
+    source.add_argument("runs_dir", nargs="?", metavar="RUNS_DIR",
                         help="directory searched recursively for result.json files")
-    common.add_argument("--wandb", metavar="ENTITY/PROJECT",
+    source.add_argument("--wandb", metavar="ENTITY/PROJECT",
                         help="read the runs from W&B (public API) instead of RUNS_DIR")
-    common.add_argument("--experiment", metavar="NAME",
+    source.add_argument("--experiment", metavar="NAME",
                         help="only runs with config.experiment=NAME")
+    common = argparse.ArgumentParser(add_help=False, parents=[source])
     common.add_argument("--longbench-metric", default=None, metavar="COLUMN",
                         help="metric of the long-context column (default: the one the runs "
                              "have: longbench_avg, else longqa_squad_f1, the offline stand-in, "
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     abl.add_argument("--times", action="store_true",
                      help="add the allocation, calibration and layer-sensitivity wall times "
                           "(timings.*_s; e.g. experiment=cobra_plus_ablation)")
+
+    ruler = sub.add_parser("ruler", parents=[source],
+                           help="RULER task by task: scores per task and length, protocol, "
+                                "measured bpd_KV, wall time, prompt lengths")
+    table_options(ruler)
 
     plot = sub.add_parser("plot", parents=[common], help="rate-distortion PNGs, one per model")
     plot.add_argument("--metric", default=None,
@@ -123,6 +129,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from analysis.tables import ablation_table
         write_table(ablation_table(frame, args.ppl_dataset, args.longbench_metric,
                                    args.experiment, times=args.times), args)
+    elif args.command == "ruler":
+        from analysis.ruler_table import ruler_table
+        write_table(ruler_table(frame, args.experiment), args)
     elif args.command == "frontier":
         from analysis.frontier import frontier_report
         if args.experiment:

@@ -246,7 +246,7 @@ def long_note(frame: pd.DataFrame, column: str | None, others: list[str] | None 
     return text
 
 
-# --- issue 13: label the generation protocol (METHODS.md §9.5) ---
+# Label the generation protocol (METHODS.md §9.5)
 def protocol_text(frame: pd.DataFrame, column: str) -> str:
     """`` Protocol: query-agnostic.`` for the block of ``column`` (its ``<block>.protocol``
     column, longest matching block name), or "" when the runs do not record one."""
@@ -261,7 +261,6 @@ def protocol_text(frame: pd.DataFrame, column: str) -> str:
         return ""
     return (" Protocol: " + ", ".join(v.replace("_", "-") for v in values)
             + (" (mixed: rows are not comparable)" if len(values) > 1 else "") + " (METHODS.md §9.5).")
-# --- end of the issue 13 block ---
 
 
 # ---------------------------------------------------------------- zero-shot

@@ -187,12 +187,11 @@ def zeroshot_text_columns(metrics: dict) -> dict[str, Any]:
     return out
 
 
-# --- issue 13: the generation protocol of each long-context block (METHODS.md §9.5) ---
+# The generation protocol of each long-context block (METHODS.md §9.5)
 def protocol_columns(metrics: dict) -> dict[str, Any]:
     """``<block>.protocol`` (query_aware / query_agnostic) of each metric block that records one."""
     return {f"{name}.protocol": block["protocol"] for name, block in metrics.items()
             if isinstance(block, dict) and isinstance(block.get("protocol"), str)}
-# --- end of the issue 13 block ---
 
 
 def flatten_record(record: dict, source: str) -> dict[str, Any]:

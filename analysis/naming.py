@@ -69,6 +69,15 @@ ABLATION_METHOD_ORDER = SPLIT_ABLATION_METHODS + [m for m in METHOD_ORDER
 
 FP16_BITS = 16.0
 
+# RULER's 13 tasks in lm-eval's group order (lm_eval/tasks/ruler/ruler.yaml), with the short
+# headers of the RULER table (kvpress's leaderboard abbreviates them alike)
+RULER_TASK_HEADERS = {
+    "niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3",
+    "niah_multikey_1": "MK1", "niah_multikey_2": "MK2", "niah_multikey_3": "MK3",
+    "niah_multivalue": "MV", "niah_multiquery": "MQ", "vt": "VT", "cwe": "CWE", "fwe": "FWE",
+    "qa_squad": "QA-SQuAD", "qa_hotpot": "QA-Hotpot",
+}
+
 
 def method_name(method: str) -> str:
     """Display name of a method id ("cobra_kl" -> "KV-COBRA-KL"); unknown ids are shown as is."""

@@ -315,6 +315,10 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
                            "c2/rotation, or cobra_plus with method.ablate) are left out; see "
                            "`python -m analysis ablation`.")
     return table
+
+
+# ---------------------------------------------------------------- ablation table
+
 def _deviation_words(method: str, devs: dict) -> list[str]:
     """``{"c2": False}`` -> ``["w/o C2"]``; ``{"rotation": "none"}`` -> ``["w/o Hadamard"]``."""
     words = []
@@ -377,8 +381,6 @@ def ablation_label(method: str, target_k: float, target_v: float, options: dict)
     else:
         head = f"{method_name(method)} " + ", ".join(words)
     return f"{head} {budget}"
-
-
 
 
 def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,

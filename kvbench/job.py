@@ -170,7 +170,7 @@ def run_longbench(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
         result["metrics"]["longbench"] = out
 
 
-# --- issue 13: RULER and the query-aware / query-agnostic switch (METHODS.md §9.4, §9.5) ---
+# RULER and the query-aware / query-agnostic switch (METHODS.md §9.4, §9.5)
 def _query_aware(task_cfg, name: str, default: bool) -> bool:
     from .evals.query_split import as_bool
 
@@ -204,7 +204,6 @@ def run_ruler(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
 
 
 TASK_RUNNERS = {"ppl": run_ppl, "zeroshot": run_zeroshot, "longbench": run_longbench, "ruler": run_ruler}
-# --- end of the issue 13 block ---
 
 
 def free_device_memory() -> None:
@@ -307,20 +306,18 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         if auto_split:
             bpd_k, bpd_v = _auto_split(cfg, loaded, name, options, stats, spec, result, timings)
         method.set_regime(job_regime(cfg))
-        # --- issue 12 (compose): its budget split chosen by calibration-corpus PPL ---
+        # compose: the eviction/codec budget split chosen by calibration-corpus PPL
         if getattr(method, "wants_split_choice", lambda: False)() and bpd_k is not None:
             from .keep_fraction import split_for_job
 
             method = split_for_job(cfg, loaded, name, options, bpd_k, bpd_v, stats, result, timings)
-        # --- end of the issue 12 hook ---
         method.configure(shape, bpd_k, bpd_v)
-        # --- issue 14 (cobra_plus): per-layer sensitivity measured on calibration windows ---
+        # cobra_plus: per-layer sensitivity measured on calibration windows
         if stats is not None and getattr(method, "wants_layer_sensitivity", lambda: False)():
             from .layer_sensitivity import sensitivity_for_job
 
             sensitivity_for_job(loaded, method, stats, spec, int(cfg.seed), calibration_model_id(cfg, loaded),
                                 result, timings)
-        # --- end of the issue 14 hook ---
         if stats is not None:
             t0 = time.perf_counter()
             method.calibrate(stats, seed=int(cfg.seed))

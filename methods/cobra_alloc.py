@@ -223,7 +223,7 @@ def exact_allocate(
     return solve_table(grid, table, total_bits)
 
 
-# --- issue 14 (cobra_plus): the exact solver on any table, KKT slope equalization (§5.11c) ---
+# The exact solver on any table, KKT slope equalization (§5.11c)
 
 
 def solve_table(grid: torch.Tensor, table: torch.Tensor, total_bits: int) -> torch.Tensor:
@@ -357,9 +357,6 @@ def kkt_allocate(
         idx[int(up[j])] += int(moves[j])
         idx[int(down[j])] -= int(moves[j])
     return idx
-
-
-# --- end of the issue 14 additions ---
 
 
 def split_bits(budget: int, rank: int) -> list[int]:

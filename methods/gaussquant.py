@@ -192,11 +192,10 @@ def _search(grp: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize(c: torch.Tensor, step: torch.Tensor, bits: torch.Tensor | int) -> torch.Tensor:
     """Integer codes (int64) of ``c`` [..., n]; ``step`` and ``bits`` broadcast over ``c``."""
-    # --- issue 15 finding 5 (helper edit): one integer width needs no host->device tensor ---
+    # One integer width needs no host->device tensor
     if isinstance(bits, int):
         code = torch.floor(c / step) + float(1 << (bits - 1) if bits > 0 else 0)
         return code.clamp(0, float((1 << bits) - 1)).long()
-    # --- end of the issue 15 edit ---
     bits = torch.as_tensor(bits, device=c.device).long()
     half = torch.where(bits > 0, 1 << (bits - 1).clamp(min=0), torch.zeros_like(bits))
     top = ((1 << bits) - 1).to(c.dtype)
@@ -206,11 +205,10 @@ def quantize(c: torch.Tensor, step: torch.Tensor, bits: torch.Tensor | int) -> t
 
 def dequantize(code: torch.Tensor, step: torch.Tensor, bits: torch.Tensor | int) -> torch.Tensor:
     """Reconstruction ``(code - 2**(b-1) + 1/2) * step``; 0 where ``b = 0``."""
-    # --- issue 15 finding 5 (helper edit): one integer width needs no host->device tensor ---
+    # One integer width needs no host->device tensor
     if isinstance(bits, int):
         value = (code.to(step.dtype) - float(1 << max(bits - 1, 0)) + 0.5) * step
         return value if bits > 0 else torch.zeros_like(value)
-    # --- end of the issue 15 edit ---
     bits = torch.as_tensor(bits, device=code.device).long()
     half = (1 << (bits - 1).clamp(min=0)).to(step.dtype)
     value = (code.to(step.dtype) - half + 0.5) * step

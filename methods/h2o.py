@@ -437,7 +437,7 @@ class H2OLayerState(LayerState):
         """Positions [B, Hkv, C] of the kept tokens (ascending), for tests and diagnostics."""
         return self._pos
 
-    # --- issue 12 (compose) hook: a codec hands the eviction the decoded form of its tokens ---
+    # compose: a codec hands the eviction the decoded form of its tokens
     def kept_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The stored K, V of the kept tokens [B, Hkv, C, d], in the order of ``kept_positions``:
         the tensors themselves (a codec may overwrite entries in place with their decoded form)."""
@@ -449,4 +449,3 @@ class H2OLayerState(LayerState):
         if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
             raise ValueError("h2o: replace_kept_kv needs tensors shaped like the kept cache")
         self._k, self._v = k, v
-    # --- end of the issue 12 hook ---

@@ -260,7 +260,7 @@ class SnapKVLayerState(LayerState):
         """Prompt positions kept at the end of prefill [B, Hs, C] (ascending), for diagnostics."""
         return self._idx
 
-    # --- issue 12 (compose) hook: a codec hands the eviction the decoded form of its tokens ---
+    # compose: a codec hands the eviction the decoded form of its tokens
     def kept_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The stored K, V [B, Hs, n, d]: the kept prompt (``kept_prompt_positions`` order), then
         every decoded token in arrival order; the tensors themselves (a codec may overwrite
@@ -273,4 +273,3 @@ class SnapKVLayerState(LayerState):
         if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
             raise ValueError("snapkv: replace_kept_kv needs tensors shaped like the kept cache")
         self._k, self._v = k, v
-    # --- end of the issue 12 hook ---

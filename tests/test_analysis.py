@@ -428,3 +428,58 @@ def test_cobra_plus_ablation_rows_and_times(tmp_path, capsys):
     assert rows[full][4:6] == ["2.00", "70"]  # alloc. mean of 1.5 and 2.5; calib. of the run that computed it
     code, plain, _ = run_cli(["ablation", str(root)], capsys)
     assert code == 0 and "alloc. s" not in plain and "alloc. s" in out
+
+
+def write_ruler_run(root: Path, name: str, *, method="snapkv", seed=0, query_aware=False,
+                    scores=None, item_seed=0, count=5, k=2.0, measured=2.0) -> Path:
+    """A RULER run as kvbench writes it: the ruler_wiki block with by_length, counts, tokens."""
+    scores = scores or {"niah_single_1": 80.0, "vt": 20.0}
+    avg = sum(scores.values()) / len(scores)
+    protocol = "query_aware" if query_aware else "query_agnostic"
+    block = {"benchmark": "ruler_wiki", **scores, "avg": avg,
+             "by_length": {"4096": {**scores, "avg": avg}}, "tasks": list(scores),
+             "lengths": [4096], "counts": {t: {"4096": count} for t in scores},
+             "tokens": {"4096": {"prompt_tokens_min": 2225, "prompt_tokens_max": 4060}},
+             "protocol": protocol, "item_seed": item_seed, "limit": count, "eval_s": 600.0 + seed}
+    path = write_run(root, name, model="smollm2_135m", method=method, seed=seed, k=k, v=k,
+                     experiment="ruler_smoke")
+    record = json.loads(path.read_text())
+    record["metrics"] = {"ruler_wiki": block}
+    record["bpd"].update(measured_k=measured, measured_v=measured)
+    record["config"]["task"] = {"ruler": {"query_aware": query_aware, "limit": count}}
+    record["config"]["tasks"] = ["ruler"]
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_ruler_table_per_task_protocol_and_pairing(tmp_path, capsys):
+    """One row per variant: the protocol splits SnapKV's rows, tasks in lm-eval's order, seeds
+    averaged, the measured bpd marked when off target, and the items checked to be the same."""
+    root = tmp_path / "runs"
+    write_ruler_run(root, "fp16", method="fp16", k=16.0, measured=16.0,
+                    scores={"vt": 40.0, "niah_single_1": 100.0})
+    for s in range(2):
+        write_ruler_run(root, f"agn{s}", seed=s, scores={"niah_single_1": 10.0 * s, "vt": 0.0})
+    write_ruler_run(root, "aware", query_aware=True, measured=2.3)
+    code, out, err = run_cli(["ruler", root], capsys)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[7:10] == ["S1", "VT", "avg ↑"]
+    rows = {c[1] + " " + c[4]: c for c in
+            ([x.strip() for x in line.strip("|").split("|")] for line in lines[1:])}
+    assert rows["FP16 query-agnostic"][7:10] == ["100.0", "40.0", "70.00"]
+    agn = rows["SnapKV (ruler_query_aware=False) query-agnostic"]
+    assert agn[7:10] == ["5.0 ± 7.1", "0.0 ± 0.0", "2.50 ± 3.54"] and agn[-1] == "2" and agn[-3] == "600"
+    aware = rows["SnapKV (ruler_query_aware=True) query-aware"]
+    assert aware[5] == "2.0, 2.0†" and aware[9] == "50.00†" and aware[-2] == "2225–4060"
+    assert "Paired: every row scored the same items, 5 per task and length" in out
+
+    write_ruler_run(root, "other_items", method="h2o", item_seed=1)
+    code, out, _ = run_cli(["ruler", root], capsys)
+    assert code == 0 and "NOT paired" in out and "H2O at 2.0, 2.0" in out.split("NOT paired")[1]
+
+
+def test_ruler_table_without_ruler_runs_is_a_clear_error(runs, capsys):
+    code, _, err = run_cli(["ruler", runs], capsys)
+    assert code == 1 and "no run reports RULER" in err

@@ -45,7 +45,7 @@ def model_and_stats():
     return model, _stats(model)
 
 
-# --- issue 11 item 9 (helper edit): exactness checks through a rounding quantizer in float64 ---
+# Exactness checks through a rounding quantizer in float64
 @pytest.fixture(scope="module")
 def model64_and_stats():
     """The same tiny Llama in float64. In float32 one pass and per-token passes differ by ~2e-7
@@ -53,7 +53,6 @@ def model64_and_stats():
     on others (tests/test_smollm2.py). In float64 the paths agree to ~1e-16 on any CPU."""
     model = tiny_llama(seed=1).to(torch.float64)
     return model, _stats(model)
-# --- end of the issue 11 item 9 edit ---
 
 
 def test_fp16_state_path_is_bit_identical_to_the_unpatched_model(model_and_stats):

@@ -161,7 +161,7 @@ def compressed_hflm(lm, max_length: int | None = None):
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
             return answer
 
-        # --- generation (issue 13: RULER through lm-eval) -------------------------------------
+        # Generation (RULER through lm-eval)
         #: set by a generation task: ``request -> character index where its question starts``
         #: (or None); with ``query_aware = False`` the prompt is cut there (query_split.py)
         query_split = None
@@ -233,7 +233,6 @@ def compressed_hflm(lm, max_length: int | None = None):
                 "prediction": text,
             })
             return text
-        # --- end of the issue 13 generation block ---------------------------------------------
 
     return CompressedHFLM(lm, max_length=max_length)
 
