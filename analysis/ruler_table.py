@@ -23,14 +23,9 @@ from analysis.budget import DAGGER
 from analysis.cells import Cell, Column, Table, count_cell, marker_notes, mean_cell, stat_cell
 from analysis.defaults import bpd_convention_note
 from analysis.load import NoResultsError
-from analysis.naming import (
-    METHOD_ORDER, MODEL_ORDER, RULER_TASK_HEADERS, model_name, order_key,
-)
-from analysis.select import (
-    add_variants, distinguishing_options, drop_duplicate_seeds, experiment_of, line_label,
-    options_sort_key,
-)
-from analysis.tables import DaggerLog, _budget_key, _budget_text, _column, _sortable, iter_variants
+from analysis.naming import RULER_TASK_HEADERS, model_name, order_key
+from analysis.select import add_variants, drop_duplicate_seeds, experiment_of
+from analysis.tables import DaggerLog, _budget_text, _column, labelled_variants
 
 #: the metric blocks of RULER: its own data, or the offline stand-in (DESIGN.md §5)
 BENCHMARKS = ("ruler", "ruler_wiki")
@@ -129,18 +124,9 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
         Column("eval s", "num"), Column("prompt tokens", "num"), Column("n", "num"),
     ], group_column=0)
 
-    def sort_key(run, options):
-        return (order_key(run.model, MODEL_ORDER), order_key(run.method, METHOD_ORDER),
-                _sortable(run.target_k), _sortable(run.target_v), options_sort_key(options))
-
-    variants = list(iter_variants(frame, sort_key))
-    siblings: dict[tuple, list[dict]] = {}
-    for options, runs in variants:
-        siblings.setdefault(_budget_key(runs.iloc[0]), []).append(options)
     daggers, items = DaggerLog(), {}
-    for options, runs in variants:
+    for label, runs in labelled_variants(frame):
         first = runs.iloc[0]
-        label = line_label(first.method, options, distinguishing_options(siblings[_budget_key(first)]))
         statuses = list(runs["status"])
         budget = _budget_text(first.target_k, first.target_v)
         for bench in benches:

@@ -87,6 +87,23 @@ def iter_variants(frame: pd.DataFrame, key) -> Iterator[tuple[dict, pd.DataFrame
     yield from sorted(groups, key=lambda g: key(g[1].iloc[0], g[0]))
 
 
+def labelled_variants(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(row label, runs) per variant in the main table's order: model, method (naming.METHOD_ORDER),
+    target budget, options; the label names the options that tell apart the variants of one
+    (model, method, budget)."""
+    def sort_key(run, options):
+        return (order_key(run.model, MODEL_ORDER), order_key(run.method, METHOD_ORDER),
+                _sortable(run.target_k), _sortable(run.target_v), options_sort_key(options))
+
+    variants = list(iter_variants(frame, sort_key))
+    siblings: dict[tuple, list[dict]] = {}
+    for options, runs in variants:
+        siblings.setdefault(_budget_key(runs.iloc[0]), []).append(options)
+    return [(line_label(runs.iloc[0].method, options,
+                        distinguishing_options(siblings[_budget_key(runs.iloc[0])])), runs)
+            for options, runs in variants]
+
+
 def _sortable(x: float) -> float:
     """NaN-safe sort value (a missing budget sorts last)."""
     return math.inf if x is None or math.isnan(x) else x
@@ -251,20 +268,10 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
         Column("bpd_KV meas.", "num"), *(c for c, *_ in metrics), Column("n", "num"),
     ], group_column=0)
 
-    def sort_key(run, options):
-        return (order_key(run.model, MODEL_ORDER), order_key(run.method, METHOD_ORDER),
-                _sortable(run.target_k), _sortable(run.target_v), options_sort_key(options))
-
-    variants = list(iter_variants(frame, sort_key))
-    siblings: dict[tuple, list[dict]] = {}
-    for options, runs in variants:
-        siblings.setdefault(_budget_key(runs.iloc[0]), []).append(options)
     full = ",".join(datasets)
     daggers = DaggerLog()
-    for options, runs in variants:
+    for label, runs in labelled_variants(frame):
         first = runs.iloc[0]
-        keys = distinguishing_options(siblings[_budget_key(first)])
-        label = line_label(first.method, options, keys)
         statuses = list(runs["status"])
         ok_used = {u for s, u in zip(statuses, runs["ppl_used"]) if s == "ok"} \
             if datasets else set()
