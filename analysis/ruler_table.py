@@ -61,7 +61,7 @@ def _protocol_text(runs: pd.DataFrame, bench: str) -> str:
 
 
 def _time_text(runs: pd.DataFrame, bench: str) -> Cell:
-    """Mean evaluation wall time of the block (``<bench>.eval_s``) over the runs."""
+    """Mean evaluation wall time of the block (its ``eval_s``, column ``<bench>_eval_s``) over the runs."""
     values = [v for v in _column(runs, f"{bench}_eval_s") if not math.isnan(v)]
     if not values:
         return Cell("?")
