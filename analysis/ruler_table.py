@@ -20,12 +20,11 @@ import statistics
 import pandas as pd
 
 from analysis.budget import DAGGER
-from analysis.cells import Cell, Column, Table, count_cell, marker_notes, mean_cell, stat_cell
-from analysis.defaults import bpd_convention_note
+from analysis.cells import Cell, Column, Table, count_cell, mean_cell, stat_cell
 from analysis.load import NoResultsError
 from analysis.naming import RULER_TASK_HEADERS, model_name, order_key
 from analysis.select import add_variants, drop_duplicate_seeds, experiment_of
-from analysis.tables import DaggerLog, _budget_text, _column, labelled_variants
+from analysis.tables import DaggerLog, _budget_text, _column, append_budget_notes, labelled_variants
 
 #: the metric blocks of RULER: its own data, or the offline stand-in (DESIGN.md §5)
 BENCHMARKS = ("ruler", "ruler_wiki")
@@ -165,9 +164,5 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
         "RULER evaluation (generation and scoring), mean over runs, on the machine that ran it. "
         "prompt tokens = the range of tokens the model read per item (chat template included).")
     table.notes.append(_items_note(items, tasks))
-    convention = bpd_convention_note(frame)
-    if convention:
-        table.notes.append(convention)
-    table.notes.extend(daggers.notes())
-    table.notes.extend(marker_notes(table))
+    append_budget_notes(table, frame, daggers)
     return table

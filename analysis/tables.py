@@ -166,6 +166,16 @@ class DaggerLog:
         return [dagger_note(self.entries)] if self.entries else []
 
 
+def append_budget_notes(table: Table, frame: pd.DataFrame, daggers: DaggerLog) -> None:
+    """The notes every table ends its budget notes with: the measured-bpd convention of the
+    runs, the † list and what the table's markers ("—", "fail", ...) mean."""
+    convention = bpd_convention_note(frame)
+    if convention:
+        table.notes.append(convention)
+    table.notes.extend(daggers.notes())
+    table.notes.extend(marker_notes(table))
+
+
 # ---------------------------------------------------------------- PPL columns
 
 def _resolve_ppl(frame: pd.DataFrame, datasets: Sequence[str] | None,
@@ -306,11 +316,7 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
         table.notes.append(long_note(frame, long_metric, long_others))
     if any(m == LONGBENCH_8SET for _, m, *_ in metrics) and long_metric != LONGBENCH_8SET:
         table.notes.append(long_note(frame, LONGBENCH_8SET))
-    convention = bpd_convention_note(frame)
-    if convention:
-        table.notes.append(convention)
-    table.notes.extend(daggers.notes())
-    table.notes.extend(marker_notes(table))
+    append_budget_notes(table, frame, daggers)
     absent = [name for name, present in (("PPL", bool(datasets)), ("zero-shot", with_zeroshot),
                                          ("long-context", long_metric is not None))
               if not present]
@@ -489,11 +495,7 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
             "them (a run that found them in $KVBENCH_CACHE took 0 and is left out; 'cached' = "
             "every run did); sens. s = the layer-sensitivity passes (and the K/V exchange-rate "
             "passes of cobra_plus's joint K/V allocation), likewise; none = the row has no such step.")
-    convention = bpd_convention_note(frame)
-    if convention:
-        table.notes.append(convention)
-    table.notes.extend(daggers.notes())
-    table.notes.extend(marker_notes(table))
+    append_budget_notes(table, frame, daggers)
     absent = [name for name, present in (("PPL", bool(ppl_col)),
                                          ("long-context", long_metric is not None)) if not present]
     if absent:

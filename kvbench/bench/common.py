@@ -189,6 +189,18 @@ def median_time(fn, device, reps: int, warmup: int = 1) -> tuple[float, list[flo
     return statistics.median(times), times
 
 
+def clock_around(fn, device, setup=None, teardown=None) -> float:
+    """:func:`clock` of ``fn`` with ``setup``/``teardown`` run, untimed, just before and after it
+    (e.g. attaching a method to the model that the baseline must see unpatched)."""
+    if setup is not None:
+        setup()
+    try:
+        return clock(fn, device)
+    finally:
+        if teardown is not None:
+            teardown()
+
+
 def paired_ratio(base, fn, device, reps: int, warmup: int = 1, base_warmup: bool = True,
                  setup=None, teardown=None) -> dict:
     """Median of t(fn)/t(base) over ``reps`` interleaved pairs (order alternates: A B, B A, ...),
@@ -197,13 +209,7 @@ def paired_ratio(base, fn, device, reps: int, warmup: int = 1, base_warmup: bool
     (e.g. attaching a method to the model that ``base`` must see unpatched)."""
 
     def timed_fn():
-        if setup is not None:
-            setup()
-        try:
-            return clock(fn, device)
-        finally:
-            if teardown is not None:
-                teardown()
+        return clock_around(fn, device, setup, teardown)
 
     for _ in range(warmup):
         if base_warmup:

@@ -39,7 +39,7 @@ import torch
 
 from ..compressed_lm import CompressedLM
 from ..integrate import model_shape
-from .common import EVAL_CASES, BenchModel, Row, Sizes, attached_around, budget_label, clock, make_method
+from .common import EVAL_CASES, BenchModel, Row, Sizes, attached_around, budget_label, clock, clock_around, make_method
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,7 @@ def interleaved_requests(fp16, lm, requests, max_len, setup, teardown, reps: int
     tm = [[0.0] * n for _ in range(max(1, reps))]
 
     def method_request(ctx, cont):
-        setup()
-        try:
-            return clock(lambda: score_request(lm, ctx, cont, max_len), device)
-        finally:
-            teardown()
+        return clock_around(lambda: score_request(lm, ctx, cont, max_len), device, setup, teardown)
 
     for r in range(len(tb)):
         for i, (ctx, cont) in enumerate(requests):
