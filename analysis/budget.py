@@ -1,9 +1,9 @@
 """Measured bpd per task and the † rule: a cell whose measured budget is off its target.
 
-METHODS.md §0 (v2): every result reports the measured bpd under the convention of its task (PPL
-track A: mean over query positions of what the cache held when that query read it; generation
-tasks: end of prefill plus the mean over decoded positions) and stores the end-of-sequence figure
-beside it. The result's ``bpd`` block holds the convention figure as ``measured_k``/``measured_v``
+METHODS.md §0 (v3): every task reports one headline, the mean over its scored positions of the
+bits the cache held when that prediction was made (PPL track A: every position; zero-shot: the
+continuation; track B: the targets; generation: the generated tokens), and stores the
+end-of-prefill and end-of-sequence figures beside it. The result's ``bpd`` block holds the convention figure as ``measured_k``/``measured_v``
 and, per task, ``by_task.<task>.measured_k``/``measured_v``; tables and plots use those.
 
 The † rule: a cell is marked when its measured bpd of the side(s) the budget is about — bpd_K in
@@ -142,7 +142,7 @@ def side_label(target_v: float) -> str:
 
 def dagger_note(marked: list[str]) -> str:
     """The table note explaining † and listing the measured figures of the marked cells."""
-    return (f"{DAGGER} = the measured bpd (convention figure, METHODS.md §0 v2) is more than "
+    return (f"{DAGGER} = the measured bpd (headline figure, METHODS.md §0 v3) is more than "
             f"{TOLERANCE:.0%} off the target: bpd_K in the K-track (V at 16 bits), bpd_KV = "
             "(bpd_K + bpd_V)/2 in the KV-track. On the bpd column it concerns the meas. columns "
             "(the result's headline figure); on a metric it concerns the figure of that task. "

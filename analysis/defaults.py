@@ -377,7 +377,7 @@ def _unlabelled_runs(ok: pd.DataFrame) -> int:
 
 
 def bpd_convention_note(frame: pd.DataFrame) -> str:
-    """Which measured-bpd convention the figures follow (METHODS.md §0, v2)."""
+    """Which measured-bpd convention the figures follow (METHODS.md §0, v3)."""
     ok = ok_runs(frame)
     if ok.empty:
         return ""
@@ -387,12 +387,13 @@ def bpd_convention_note(frame: pd.DataFrame) -> str:
     if by_convention or bare:
         listed = [f"{text} ({', '.join(names)})" for text, names in by_convention.items()]
         listed += [f"{text} (headline)" for text in bare if text not in by_convention]
-        text = ("Measured bpd = the convention figure of METHODS.md §0 (v2) of each task: "
-                + "; ".join(listed) + ".")
+        text = ("Measured bpd = the headline figure of METHODS.md §0 (v3) of each task, the mean "
+                "over its scored positions of the bits each prediction read: " + "; ".join(listed) + ".")
         if tasks:
             text += (" The meas. columns and the † on bpd use the headline figure, that of the "
                      f"first task run ({', '.join(tasks)}); a metric's † uses its own task's.")
-        text += " End-of-sequence figures (bpd.end_k/end_v) stay in the result files."
+        text += (" End-of-prefill (bpd.prefill_end_k/v) and end-of-sequence (bpd.end_k/v) figures "
+                 "stay in the result files.")
         parts.append(text)
     unlabelled = _unlabelled_runs(ok)
     if unlabelled:
@@ -400,3 +401,21 @@ def bpd_convention_note(frame: pd.DataFrame) -> str:
                      "than METHODS.md v2): their measured bpd is as recorded, the cache at the "
                      "end of each PPL window (or of the last task).")
     return " ".join(parts)
+
+
+def static_bytes_note(frame: pd.DataFrame) -> str:
+    """The per-model constants of each method (METHODS.md §0 "static bytes": projections, steps,
+    signs, means), which bpd does not count; empty when no run stores any."""
+    ok = ok_runs(frame)
+    if ok.empty or "static_bytes" not in ok.columns:
+        return ""
+    parts = []
+    for (model, method), rows in ok.groupby(["model", "method"], sort=True):
+        values = [v for v in rows["static_bytes"] if not is_missing(v) and v > 0]
+        if values:
+            lo, hi = min(values), max(values)
+            size = f"{lo / 2**20:.3g} MiB" if lo == hi else f"{lo / 2**20:.3g}-{hi / 2**20:.3g} MiB"
+            parts.append(f"{method} on {model} {size}")
+    if not parts:
+        return ""
+    return "Static bytes per model (fitted constants, not in bpd): " + "; ".join(parts) + "."

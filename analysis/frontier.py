@@ -1,8 +1,8 @@
-"""``python -m analysis frontier RUNS_DIR``: the rate–distortion frontier (issue 12, METHODS.md §12).
+"""``python -m analysis frontier RUNS_DIR``: the rate–distortion frontier (METHODS.md §12).
 
 Eviction (H2O, SnapKV), codecs (KIVI, KV-COBRA, ...) and their compositions (``method=compose``)
 on one axis: a metric against the **measured** bpd_KV = (bpd_K + bpd_V)/2 of that metric's task
-(METHODS.md §0 v2, ``bpd.by_task``), one line per method (a composition is one line, named by its
+(METHODS.md §0 v3: the mean over the task's scored positions, ``bpd.by_task``), one line per method (a composition is one line, named by its
 parts, ``SnapKV∘KIVI``), one point per target budget (the mean over seeds, the std as error bar).
 
 The **Pareto front** of a model and metric is the set of compressed points that no other
@@ -159,9 +159,27 @@ def model_section(points: pd.DataFrame, statuses: dict, model: str, metric: str,
         verdict = ("yes: " + ", ".join(_front_reason(c, best, lower) for _, c in comps.iterrows())
                    if len(comps) else "no")
         out.append(f"- bpd_KV {fmt_g(t)}: best {best['label']} ({best['y']:.{decimals}f} @ "
-                   f"{best['x']:.3g}); a composition on the front: {verdict}.")
+                   f"{best['x']:.3g}){_margin(at, best, lower, decimals)}; a composition on the "
+                   f"front: {verdict}.")
     out.append("")
     return out
+
+
+def _margin(at: pd.DataFrame, best: pd.Series, lower: bool, decimals: int) -> str:
+    """How far the best line of a budget is ahead of the runner-up, against the seed spread: the
+    margin exceeds it when the two means differ by more than the sum of their seed std's (their
+    ±1 std bars do not overlap); a line with one seed has no spread to compare."""
+    rest = at[at["label"] != best["label"]]
+    if rest.empty:
+        return ""
+    second = rest.loc[rest["y"].idxmin() if lower else rest["y"].idxmax()]
+    gap = abs(float(best["y"]) - float(second["y"]))
+    text = f", ahead of {second['label']} by {gap:.{decimals}f}"
+    if best["n"] < 2 or second["n"] < 2:
+        return text + " (one seed on a side: no seed spread to compare)"
+    spread = float(best["yerr"]) + float(second["yerr"])
+    word = "exceeds" if gap > spread else "does not exceed"
+    return text + f", which {word} the seed spread (std {best['yerr']:.{decimals}f} + {second['yerr']:.{decimals}f})"
 
 
 def _front_reason(point: pd.Series, best: pd.Series, lower: bool) -> str:

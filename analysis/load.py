@@ -8,7 +8,7 @@ Columns of the frame:
   track A);
 - ``target_k``, ``target_v``, ``measured_k``, ``measured_v`` (bits per element; a missing value
   budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V). The
-  measured figures are the result's convention figure (METHODS.md §0, v2);
+  measured figures are the result's headline figure (METHODS.md §0, v3);
 - the rest of the ``bpd`` block flattened with dots: ``bpd.end_k``, ``bpd.convention``,
   ``bpd.by_task.ppl.measured_k``, ... (absent in result files older than convention v2);
 - ``zeroshot.split.<task>``, ``zeroshot.metric.<task>``, ``zeroshot.source`` (the text fields of
@@ -209,10 +209,11 @@ def flatten_record(record: dict, source: str) -> dict[str, Any]:
     }
     row.update(budget_columns(record))
     row.update(bpd_detail_columns(record))
+    row["static_bytes"] = _number_or_nan(record.get("static_bytes"))
     metrics = record.get("metrics") or {}
     row.update(flatten_metrics(metrics))
     row.update(zeroshot_text_columns(metrics))
-    row.update(protocol_columns(metrics))  # issue 13
+    row.update(protocol_columns(metrics))
     counts = record.get("counts")
     if isinstance(counts, dict):
         row.update(flatten_dotted(counts, "counts"))

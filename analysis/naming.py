@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 
-METHOD_ORDER = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "cobra_plus", "h2o", "snapkv",
-                "compose"]
+METHOD_ORDER = ["fp16", "kivi", "kvquant", "gear", "turboquant", "svdq", "kqsvd", "cobra_mse", "cobra_kl",
+                "cobra_plus", "h2o", "snapkv", "compose"]
 
 METHOD_NAMES = {
     "fp16": "FP16",
     "kivi": "KIVI",
+    "kvquant": "KVQuant",
+    "gear": "GEAR",
+    "turboquant": "TurboQuant",
     "svdq": "SVDq",
     "kqsvd": "KQ-SVD",
     "cobra_mse": "KV-COBRA-MSE",

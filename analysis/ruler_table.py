@@ -78,7 +78,8 @@ def _prompt_range(runs: pd.DataFrame, bench: str, length: int) -> Cell:
 
 
 def _items_key(runs: pd.DataFrame, bench: str, length: int, tasks: list[str]) -> tuple:
-    """What fixes the row's items: (item seed, items per task) over the row's runs."""
+    """What fixes the row's items: (item seed, items per task) over the row's runs; no item seed
+    recorded = lm-eval's own items (``task.ruler.item_seed`` null)."""
     seeds = tuple(sorted({v for v in _column(runs, f"{bench}_item_seed") if not math.isnan(v)}))
     counts = tuple(tuple(sorted({v for v in _column(runs, f"{bench}_counts_{t}_{length}")
                                  if not math.isnan(v)})) for t in tasks)
@@ -93,9 +94,10 @@ def _items_note(keys: dict[str, tuple], tasks: list[str]) -> str:
         per_task = sorted({c for cs in counts for c in cs})
         how_many = (f"{per_task[0]:.0f}" if len(per_task) == 1
                     else "/".join(f"{c:.0f}" for c in per_task))
-        seed = ", ".join(f"{s:.0f}" for s in seeds) or "?"
+        source = (f"task.ruler.item_seed {', '.join(f'{s:.0f}' for s in seeds)}" if seeds
+                  else "lm-eval's own items, as `lm_eval --limit` takes them")
         return (f"Paired: every row scored the same items, {how_many} per task and length "
-                f"(task.ruler.item_seed {seed}).")
+                f"({source}).")
     common = max(distinct, key=lambda k: sum(v == k for v in keys.values()))
     odd = [row for row, key in keys.items() if key != common]
     return ("NOT paired: these rows scored other items (another item_seed or item count) than "

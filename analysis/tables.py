@@ -24,7 +24,8 @@ from analysis.cells import (
 )
 from analysis.defaults import (
     LONGBENCH_8SET, PplChoice, best_ppl_dataset, bpd_convention_note, choose_long_metric,
-    choose_ppl_datasets, left_out_text, long_header, long_note, ppl_protocol, zeroshot_note,
+    choose_ppl_datasets, left_out_text, long_header, long_note, ppl_protocol, static_bytes_note,
+    zeroshot_note,
 )
 from analysis.derived import add_ppl_summaries
 from analysis.load import NoResultsError, warn
@@ -172,6 +173,9 @@ def append_budget_notes(table: Table, frame: pd.DataFrame, daggers: DaggerLog) -
     convention = bpd_convention_note(frame)
     if convention:
         table.notes.append(convention)
+    static = static_bytes_note(frame)
+    if static:
+        table.notes.append(static)
     table.notes.extend(daggers.notes())
     table.notes.extend(marker_notes(table))
 
@@ -332,6 +336,10 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
 
 # ---------------------------------------------------------------- ablation table
 
+#: cobra_plus ablations that switch on a part the defaults leave off (methods/cobra_plus.py ABLATIONS)
+ADDED_PARTS = {"sensitivity": "sensitivity", "step": "calibrated step"}
+
+
 def _deviation_words(method: str, devs: dict) -> list[str]:
     """``{"c2": False}`` -> ``["w/o C2"]``; ``{"rotation": "none"}`` -> ``["w/o Hadamard"]``."""
     words = []
@@ -345,8 +353,8 @@ def _deviation_words(method: str, devs: dict) -> list[str]:
                 words.append("+ Hadamard")
             else:
                 words.append(f"rotation={value}")
-        elif key == "ablate":  # cobra_plus: the part removed (sensitivity, off by default: turned on)
-            words.append("+ sensitivity" if value == "sensitivity" else f"w/o {value}")
+        elif key == "ablate":  # cobra_plus: the part removed; the parts off by default are added
+            words.append(f"+ {ADDED_PARTS[value]}" if value in ADDED_PARTS else f"w/o {value}")
         else:
             words.append(f"{key}={value}")
     return words

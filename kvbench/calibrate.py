@@ -20,6 +20,11 @@ Decisions where METHODS.md is silent (the sample):
   precision relative to the spread (a stored raw key would lose it to a large mean).
 * The cache key includes ``sample_tokens`` only when it is > 0, so statistics cached without a
   sample keep their key; a file with a sample is a separate entry.
+
+Separation (METHODS.md §1.2): a spec is checked when it is made
+(:func:`kvbench.data.text.check_calibration_source`): the corpus is a calibration corpus and the
+split its train split (``wiki_proxy``: its calibration part), else ``ValueError`` naming the valid
+ones. Cache keys (:func:`spec_fields`) name the part of a corpus that kvbench cuts in two.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,8 +42,8 @@ from tqdm.auto import tqdm
 from methods import LayerStats
 
 from .cache_files import computed_once, unique_tmp
-from .data.text import corpus_text
-from .data.windows import encode, random_windows
+from .data.text import check_calibration_source, corpus_part, corpus_text
+from .data.windows import encode, random_starts, windows_at
 from .integrate import attention_modules, model_shape
 from .models import cache_dir
 
@@ -55,12 +60,25 @@ class CalibrationSpec:
     data_dir: str | None = None
     sample_tokens: int = 0  # §1.1b: key/value sample per head; 0 = none
 
+    def __post_init__(self):
+        check_calibration_source(self.dataset, self.split, self.data_dir)
+
     def key(self, model_id: str) -> str:
-        fields = dict(self.__dict__)
+        fields = spec_fields(self)
         if not fields["sample_tokens"]:
             del fields["sample_tokens"]  # the key of statistics without a sample is unchanged
         blob = json.dumps({"model": model_id, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def spec_fields(spec: CalibrationSpec) -> dict:
+    """The spec's fields for cache keys, with ``part`` where kvbench cuts the corpus into a
+    calibration and an evaluation part (wiki_proxy); other corpora keep the plain fields."""
+    fields = asdict(spec)
+    part = corpus_part(spec.dataset, spec.split)
+    if part is not None:
+        fields["part"] = part
+    return fields
 
 
 def sample_request(method) -> int:
@@ -185,9 +203,19 @@ def collect_stats(model, windows: torch.Tensor, sample_tokens: int = 0, seed: in
     return [acc.finish() for acc in accs]
 
 
+def calibration_ids(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
+    """The tokens of the calibration split (calibration and held-out windows are cut from them)."""
+    return encode(tokenizer, corpus_text(spec.dataset, spec.split, spec.data_dir))
+
+
+def calibration_starts(n_tokens: int, spec: CalibrationSpec) -> list[int]:
+    """Offsets of the calibration windows in :func:`calibration_ids` (GPTQ, ``random.seed(seed)``)."""
+    return random_starts(n_tokens, spec.n_windows, spec.seqlen, spec.seed)
+
+
 def calibration_windows(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
-    ids = encode(tokenizer, corpus_text(spec.dataset, spec.split, spec.data_dir))
-    return random_windows(ids, spec.n_windows, spec.seqlen, spec.seed)
+    ids = calibration_ids(tokenizer, spec)
+    return windows_at(ids, calibration_starts(ids.numel(), spec), spec.seqlen)
 
 
 def calibrate(model, tokenizer, model_id: str, spec: CalibrationSpec) -> tuple[list, float, bool]:

@@ -17,14 +17,18 @@ Forward passes that need only their last rows ask the model for those (``logits_
 :func:`kvbench.integrate.last_logits`): a 31.5k-token prefill keeps one row, not 8-10 GB of
 bf16 logits (issue 15, finding 3).
 
-Measured bpd (METHODS.md §0, convention v2): each call appends a :class:`BpdReading` to
-``readings`` — in ``logits`` the mean over query positions of what the cache held when each query
-read it (the reported figure of PPL track A and zero-shot); in ``score``/``generate`` the cache at
-the end of the exact prefill (the reported figure: what the method compressed the prompt to) and,
-beside it, the mean over the scored/decoded positions of what each of them read (decoded tokens are
-appended per the method's rules, so it can lie above the prefill figure). Every reading also keeps
-the end-of-sequence figure; ``measured_bpd`` is that of the last call. :func:`summarize_readings`
-pools the readings of one evaluation.
+Measured bpd (METHODS.md §0, convention v3: one headline rule for every task): each call appends a
+:class:`BpdReading` whose ``mean`` is the mean, over the positions whose predictions are scored, of
+the bits the cache held when that prediction was made, divided by (t·N·d). Scored positions:
+``logits`` — every query position, or the last ``scored`` ones (zero-shot: the continuation);
+``score`` — the targets; ``generate``/``generate_split`` — the generated tokens. The prediction
+that the exact prefill itself makes (the first target, the first generated token) is counted at
+the end-of-prefill figure: the protocol's prefill attention is exact (§1.3) and the method's cache
+from then on is what it compressed the prompt to. Beside the headline each prefill-exact reading
+keeps ``prefill_end`` (the cache at the end of the exact prefill, labelled) and every reading
+``end`` (the end of the sequence); ``measured_bpd`` is that of the last call.
+:func:`summarize_readings` pools the readings of one evaluation, weighting each by its scored
+positions.
 """
 
 from __future__ import annotations
@@ -42,49 +46,57 @@ class NotInPass(Unsupported):
     """The method has no single-pass (Q-all) simulation (SnapKV: METHODS.md §7.4)."""
 
 
-QALL = "Q-all: mean over query positions of the cache each query read"
-PREFILL = "prefill-exact: cache at the end of prefill (decode_mean: what the scored/decoded positions read)"
+QALL = "Q-all: mean over the scored query positions of the cache each one read"
+PREFILL = ("prefill-exact: mean over the scored/generated positions of the cache each one read "
+           "(prefill_end: the cache at the end of the exact prefill)")
 
 
 @dataclass
 class BpdReading:
-    """Measured bpd_K, bpd_V of one call: ``mean`` (the convention's figure: the mean over the
-    ``positions`` queries of a Q-all pass, or the end of prefill), ``end`` (end of sequence) and, for
-    prefill-exact calls, ``decode_mean`` (mean over the ``positions`` scored/decoded queries)."""
+    """Measured bpd_K, bpd_V of one call: ``mean`` (the headline: the mean over the ``positions``
+    scored predictions of what the cache held when each was made), ``end`` (end of sequence) and,
+    for prefill-exact calls, ``prefill_end`` (the cache at the end of the exact prefill)."""
 
     regime: str
     mean: tuple
     end: tuple
     positions: int
-    decode_mean: tuple | None = None
+    prefill_end: tuple | None = None
 
 
-def _mean_over(reads: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple, int]:
-    k = torch.cat([r[0] for r in reads])
-    v = torch.cat([r[1] for r in reads])
+def _scored_mean(reads: list[torch.Tensor | tuple], first: tuple | None = None) -> tuple[tuple, int]:
+    """Mean bpd_K, bpd_V over scored positions: ``first`` (one position at a fixed figure, the
+    prediction the exact prefill makes) and ``reads`` (per-pass ``read_bpd`` tensors [T])."""
+    reads = [r for r in reads if r is not None]
+    ks = [r[0].double().reshape(-1) for r in reads]
+    vs = [r[1].double().reshape(-1) for r in reads]
+    if first is not None:
+        ks.append(torch.tensor([first[0]], dtype=torch.float64))
+        vs.append(torch.tensor([first[1]], dtype=torch.float64))
+    k, v = torch.cat(ks), torch.cat(vs)
     return (float(k.mean()), float(v.mean())), k.numel()
 
 
 def summarize_readings(readings: list[BpdReading]) -> dict | None:
-    """One evaluation's measured bpd: the position-weighted mean of the readings' figures, the
-    mean end-of-sequence (and end-of-prefill) figures, the convention, and the call count."""
+    """One evaluation's measured bpd: the headline pooled over every scored position of its calls,
+    the mean end-of-sequence and end-of-prefill figures per call, the convention, the call count
+    and the number of scored positions."""
     if not readings:
         return None
-    weight = [r.positions if r.regime == QALL else 1 for r in readings]  # prefill: per call
-    n = sum(weight)
+    n = sum(r.positions for r in readings)
     out = {
-        "measured_k": sum(r.mean[0] * w for r, w in zip(readings, weight)) / n,
-        "measured_v": sum(r.mean[1] * w for r, w in zip(readings, weight)) / n,
+        "measured_k": sum(r.mean[0] * r.positions for r in readings) / n,
+        "measured_v": sum(r.mean[1] * r.positions for r in readings) / n,
         "end_k": sum(r.end[0] for r in readings) / len(readings),
         "end_v": sum(r.end[1] for r in readings) / len(readings),
         "convention": " + ".join(sorted({r.regime for r in readings})),
         "calls": len(readings),
+        "scored_positions": n,
     }
-    dec = [r for r in readings if r.decode_mean is not None and r.positions]
-    if dec:
-        m = sum(r.positions for r in dec)
-        out["decode_mean_k"] = sum(r.decode_mean[0] * r.positions for r in dec) / m
-        out["decode_mean_v"] = sum(r.decode_mean[1] * r.positions for r in dec) / m
+    pre = [r for r in readings if r.prefill_end is not None]
+    if pre:
+        out["prefill_end_k"] = sum(r.prefill_end[0] for r in pre) / len(pre)
+        out["prefill_end_v"] = sum(r.prefill_end[1] for r in pre) / len(pre)
     return out
 
 
@@ -116,22 +128,31 @@ class CompressedLM:
                 f"padding cannot interact with compression); got input of shape {tuple(ids.shape)}"
             )
 
-    def _record(self, regime: str, reads: list, positions: int, prefill_end=None) -> None:
-        """Append the call's :class:`BpdReading` (``reads``: per-pass ``read_bpd`` tensors; for a
-        prefill-exact call, ``prefill_end`` is the headline and ``reads`` the decoded positions)."""
+    def _record(self, regime: str, reads: list, positions: int, prefill_end=None,
+                first_from_prefill: bool = True) -> None:
+        """Append the call's :class:`BpdReading`. ``reads``: the ``read_bpd`` tensors of the scored
+        positions; for a prefill-exact call ``prefill_end`` is the end-of-prefill figure, which also
+        stands for the one prediction the exact prefill makes (``first_from_prefill``; False when
+        that prediction comes from a decode-semantics pass, whose read is in ``reads``).
+        ``positions`` is the scored count of the plain model (16 bits everywhere)."""
         if self.compressor is None:
             full = (16.0, 16.0)
-            self.readings.append(BpdReading(regime, full, full, positions, full if regime == PREFILL else None))
+            self.readings.append(BpdReading(regime, full, full, max(positions, 1),
+                                            full if regime == PREFILL else None))
             return
         self.measured_bpd = self.compressor.measured_bpd()
-        mean, n = _mean_over(reads) if reads else (None, 0)
         if regime == PREFILL:
-            self.readings.append(BpdReading(regime, prefill_end, self.measured_bpd, n, mean))
+            mean, n = _scored_mean(reads, prefill_end if first_from_prefill else None)
+            self.readings.append(BpdReading(regime, mean, self.measured_bpd, n, prefill_end))
         else:
-            self.readings.append(BpdReading(regime, mean or self.measured_bpd, self.measured_bpd, max(n, 1)))
+            mean, n = _scored_mean(reads) if reads else (self.measured_bpd, 1)
+            self.readings.append(BpdReading(regime, mean, self.measured_bpd, n))
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, scored: int | None = None) -> torch.Tensor:
+        """Q-all logits [1, T, V]. ``scored``: how many of the last positions make the predictions
+        the caller scores (zero-shot: the continuation's); the measured bpd is taken over those
+        (default: every position)."""
         if not self.supports_in_pass:
             raise NotInPass(
                 f"{self.method.name} acts only at the end of a prefill; it has no single-pass "
@@ -139,9 +160,14 @@ class CompressedLM:
             )
         if self.compressor is not None:
             self._check_batch(input_ids)
+        t = input_ids.shape[-1]
+        if scored is not None and not 0 < scored <= t:
+            raise ValueError(f"scored={scored} must be in 1..{t} (the input's length)")
         out = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
         reads = self.compressor.read_bpd() if self.compressor is not None else None
-        self._record(QALL, [reads] if reads is not None else [], input_ids.shape[-1])
+        if reads is not None and scored is not None:
+            reads = (reads[0][-scored:], reads[1][-scored:])
+        self._record(QALL, [reads] if reads is not None else [], t if scored is None else scored)
         return out
 
     @torch.no_grad()
@@ -154,7 +180,7 @@ class CompressedLM:
             tt = target_ids.shape[1]  # positions tc-1 .. end-1 predict the targets
             out = self.model(input_ids=ids, use_cache=False, **last_logits(self.model, tt + 1)).logits
             logits = out[:, -(tt + 1) : -1]
-            self._record(PREFILL, [], tt - 1)
+            self._record(PREFILL, [], tt)
         else:
             self._check_batch(context_ids)
             comp = self.compressor
@@ -185,7 +211,7 @@ class CompressedLM:
                 return out.logits[:, -1]
 
             new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            self._record(PREFILL, [], len(new) - 1)
+            self._record(PREFILL, [], len(new))
             return new
         comp = self.compressor
         with comp.session():
@@ -213,9 +239,10 @@ class CompressedLM:
         multi-token pass: a chunk of T tokens gives what T single-token steps give, methods/base.py),
         then greedy decoding as :meth:`generate`.
 
-        With ``n_context`` covering the whole prompt this is :meth:`generate`. Measured bpd keeps
-        the prefill-exact convention: the headline is the cache at the end of the exact (context)
-        prefill; ``decode_mean`` covers the question tokens and the decoded ones.
+        With ``n_context`` covering the whole prompt this is :meth:`generate`. Measured bpd: the
+        headline is the mean over the generated tokens of what each prediction read (the first one
+        is made by the query chunk's last position through the compressed context);
+        ``prefill_end`` is the cache at the end of the exact (context) prefill.
         """
         input_ids = input_ids.to(self.device)
         self._check_batch(input_ids)
@@ -241,7 +268,7 @@ class CompressedLM:
                 return run(ids)
 
             new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            self._record(PREFILL, [], query.shape[1] + len(new) - 1)
+            self._record(PREFILL, [], len(new))
             return new
         comp = self.compressor
         with comp.session():
@@ -254,11 +281,15 @@ class CompressedLM:
                     logits = comp.forward(query, n_context, prefill=False, last=1)[:, -1]
                 else:
                     logits = comp.forward(ids, pos, prefill=False, last=1)[:, -1]
-                reads.append(comp.read_bpd())
+                read = comp.read_bpd()
+                if read is not None:  # of the query chunk (pos 0) only the last position predicts
+                    reads.append((read[0][-1:], read[1][-1:]) if pos == 0 else read)
                 return logits
 
             new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            self._record(PREFILL, [r for r in reads if r is not None], 0, ends[0])
+            # the first generated token is predicted by the query chunk's last position, which read
+            # the compressed context: it is a decode position here, not the prefill's prediction
+            self._record(PREFILL, reads, 0, ends[0], first_from_prefill=False)
         return new
 
 

@@ -1,10 +1,10 @@
-"""Job identity: a stable hash of what a job computes (issue 6, item 3).
+"""Job identity: a stable hash of what a job computes.
 
 A job's identity is the SHA-256 of its resolved config with the keys that cannot change its
 result removed: where it writes (``hydra.*``, output paths), whether to redo it (``rerun``), how it
 is tracked (``wandb.*``) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
-``frontier_row``, ``ruler_row``: the rows
-of conf/experiment/* only select other keys, which are hashed themselves). Everything else —
+``frontier_row``, ``ruler_row``, ``baseline_row``: the rows of conf/experiment/* only select other
+keys, which are hashed themselves). Everything else —
 model, method and its options, budgets, seed, tasks, limits, protocol and calibration settings,
 input data paths, device — is part of it. The hash is stored in ``result.json`` as ``job_id``; a
 rerun of a sweep skips a job whose result is finished (``ok``, ``unsupported``, ``diverged``) *and*
@@ -28,7 +28,7 @@ from .results import FINISHED
 
 #: top-level keys left out of the identity (they do not change what the job computes)
 EXCLUDED_KEYS = frozenset({"hydra", "rerun", "wandb", "experiment", "main_row", "ablation_row",
-                           "frontier_row", "ruler_row"})
+                           "frontier_row", "ruler_row", "baseline_row"})
 ID_LENGTH = 16
 
 

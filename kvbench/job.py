@@ -71,9 +71,10 @@ def targets(cfg: DictConfig, method) -> tuple[float, float]:
 
 
 def job_regime(cfg: DictConfig) -> Regime:
-    """What the job's headline measured bpd is taken over (METHODS.md §0 v2), for methods whose
-    cost depends on the position (SVDq's fp16 buffer and per-sequence basis): PPL's track when PPL
-    runs (A: Q-all over seqlen positions; B: a ``context``-token prefill, then the scored targets),
+    """The scored positions the job's headline measured bpd is the mean over (METHODS.md §0 v3),
+    for methods whose cost depends on the position (fp16 buffers, per-sequence bases, eviction):
+    PPL's track when PPL runs (A: Q-all over seqlen positions; B: a ``context``-token prefill whose
+    own prediction is the first of the seqlen - context targets, the others decoded),
     else a 2048-token prefill with 32 decoded positions (LongBench / RULER: prompt lengths vary per
     item), else Q-all over 2048. Other tasks report their own measured bpd beside it."""
     if "ppl" in cfg.tasks:
@@ -115,11 +116,12 @@ def run_tasks(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
 
 def headline_bpd(by_task: dict, tasks) -> dict | None:
     """The result's top-level measured bpd: that of the first task run in the order of ``tasks``
-    (PPL first by default), labelled with its task and convention (METHODS.md §0 v2)."""
+    (PPL first by default), labelled with its task and convention (METHODS.md §0 v3: the mean over
+    the task's scored positions; the end-of-prefill and end-of-sequence figures beside it)."""
+    keep = ("measured_k", "measured_v", "end_k", "end_v", "prefill_end_k", "prefill_end_v", "convention")
     for task in tasks:
         if task in by_task:
             b = by_task[task]
-            keep = ("measured_k", "measured_v", "end_k", "end_v", "decode_mean_k", "decode_mean_v", "convention")
             return {**{k: b[k] for k in keep if k in b}, "from_task": task}
     return None
 
@@ -194,7 +196,7 @@ def run_ruler(cfg: DictConfig, lm: CompressedLM, result: dict) -> None:
         essays=r.get("essays"),
         squad=r.get("squad"),
         hotpot=r.get("hotpot"),
-        item_seed=int(r.get("item_seed", 0)),
+        item_seed=r.get("item_seed"),
         chat=bool(cfg.model.chat) if r.get("chat") is None else bool(r.get("chat")),
     )
     name = out["benchmark"]
@@ -229,15 +231,23 @@ def redundant_seed(cfg: DictConfig) -> str | None:
     return f"seed {seed} skipped: {name} has nothing random"
 
 
-def _calibration(cfg: DictConfig, loaded: LoadedModel, method, result: dict, timings: dict):
-    """The job's calibration statistics (from the disk cache when present) and their spec."""
+def _calibration_spec(cfg: DictConfig, method) -> CalibrationSpec:
+    """The job's calibration spec, made (and so checked: a calibration or selection split that is
+    an evaluation split is an error, METHODS.md §1.2) for every job before the model loads."""
     spec = CalibrationSpec(**{**OmegaConf.to_container(cfg.calibration), "seed": int(cfg.seed)})
-    spec = with_sample(spec, method)  # the key/value sample of the calibrated step (§1.1b), if asked
+    return with_sample(spec, method)  # the key/value sample of the calibrated step (§1.1b), if asked
+
+
+def _calibration(cfg: DictConfig, loaded: LoadedModel, method, spec, result: dict, timings: dict):
+    """The job's calibration statistics (from the disk cache when present); None for a method
+    that needs none."""
+    if not method.needs_calibration:
+        return None
     stats, timings["calibrate_s"], hit = calibrate(
         loaded.model, loaded.tokenizer, calibration_model_id(cfg, loaded), spec
     )
     result["counts"]["calibration_cache_hit"] = hit
-    return stats, spec
+    return stats
 
 
 def _auto_split(cfg, loaded, name, options, stats, spec, result, timings) -> tuple[float, float]:
@@ -284,6 +294,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     try:
         torch.manual_seed(int(cfg.seed))
         method = build_method(name, **options)
+        spec = _calibration_spec(cfg, method)
         auto_split = cfg.v_bpd == "auto"
         if not auto_split:
             target_k, target_v = targets(cfg, method)
@@ -300,11 +311,13 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             auto_split = False
             result["bpd"].update(target_k=16.0, target_v=16.0)
         timings["calibrate_s"] = 0.0
-        stats = None
-        if method.needs_calibration:
-            stats, spec = _calibration(cfg, loaded, method, result, timings)
+        stats = _calibration(cfg, loaded, method, spec, result, timings)
         if auto_split:
             bpd_k, bpd_v = _auto_split(cfg, loaded, name, options, stats, spec, result, timings)
+        if cfg.get("select") is not None:  # cobra_plus's switches chosen on held-out windows (§13)
+            from .cobra_plus_select import select_for_job
+
+            method, stats, spec = select_for_job(cfg, loaded, name, options, stats, spec, result, timings, out_dir)
         method.set_regime(job_regime(cfg))
         # compose: the eviction/codec budget split chosen by calibration-corpus PPL
         if getattr(method, "wants_split_choice", lambda: False)() and bpd_k is not None:
@@ -323,6 +336,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             method.calibrate(stats, seed=int(cfg.seed))
             timings["allocate_s"] = time.perf_counter() - t0
         result["knobs"] = method.knobs()
+        result["static_bytes"] = method.static_bytes()  # per-model constants, beside bpd (§0)
         if name != "fp16":
             comp = attach(loaded.model, method)
         lm = CompressedLM(loaded.model, loaded.tokenizer, comp)

@@ -39,6 +39,7 @@ from methods import Regime, Unsupported, build_method
 from methods.compose import SPLITS
 
 from .cache_files import computed_once, unique_tmp
+from .calibrate import spec_fields
 from .compressed_lm import CompressedLM
 from .integrate import attach, model_shape
 from .kv_split import heldout
@@ -72,7 +73,7 @@ def choose_split(model, tokenizer, options: dict, bpd_k: float, bpd_v: float | N
     """compose's split for the job: {"split", "ppl", "candidates", "seconds", "cache_hit"}."""
     blob = json.dumps({"model": model_id, "method": "compose", "fit": FIT_VERSION, "options": options,
                        "bpd_k": bpd_k, "bpd_v": bpd_v, "regime": asdict(regime), "seed": seed,
-                       "calibration": asdict(spec)}, sort_keys=True, default=str)
+                       "calibration": spec_fields(spec)}, sort_keys=True, default=str)
     path = cache_dir() / "keep_fraction" / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
     with computed_once(path):
         if path.exists():
@@ -89,7 +90,7 @@ def choose_split(model, tokenizer, options: dict, bpd_k: float, bpd_v: float | N
 
 def _search(model, tokenizer, options, bpd_k, bpd_v, regime, stats, spec, seed) -> dict:
     t0 = time.perf_counter()
-    windows = heldout(tokenizer, spec)[:N_HELDOUT]
+    windows = heldout(tokenizer, spec, n=N_HELDOUT)
     shape = model_shape(model)
     scored = []
     for split in tqdm(SPLITS, desc="compose split", leave=False):

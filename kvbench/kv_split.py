@@ -8,9 +8,14 @@ perplexity wins (ties: the larger b_V, as the seed's ablation favours value-heav
 evaluation set. The choice and every candidate's perplexity are cached in ``$KVBENCH_CACHE/kv_split``
 (keyed by model, method options, β, seed and calibration spec) and recorded in the result.
 
-Decisions where METHODS.md is silent: held-out windows are the calibration corpus's train split at
-offsets drawn with ``seed + 7919`` and rejected when they overlap a calibration window; a candidate
-the method cannot reach (``Unsupported``, e.g. KQ-SVD's r·b grid) is listed as such and skipped.
+Held-out (selection) windows, METHODS.md §1.2 "Separation": windows of the calibration spec's own
+split (a calibration corpus's train split, checked when the spec is made), at offsets drawn with
+``seed + 7919`` and rejected when they overlap a calibration window or one another
+(:func:`heldout_starts`); :func:`heldout` is what every selection reads (this split, compose's
+split, cobra_plus's switches), ``n`` windows of the calibration length.
+
+Decisions where METHODS.md is silent: the offsets above; a candidate the method cannot reach
+(``Unsupported``, e.g. KQ-SVD's r·b grid) is listed as such and skipped.
 """
 
 from __future__ import annotations
@@ -20,16 +25,15 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict
 
 import torch
 from tqdm.auto import tqdm
 
 from methods import Unsupported, build_method
 
+from .calibrate import calibration_ids, calibration_starts, spec_fields
 from .compressed_lm import CompressedLM
-from .data.text import corpus_text
-from .data.windows import encode, heldout_windows, random_starts
+from .data import windows as W
 from .integrate import attach, model_shape
 from .cache_files import computed_once, unique_tmp
 from .models import cache_dir
@@ -53,10 +57,18 @@ def candidates(beta: float) -> list[tuple[float, int]]:
     return out
 
 
-def heldout(tokenizer, spec) -> torch.Tensor:
-    ids = encode(tokenizer, corpus_text(spec.dataset, spec.split, spec.data_dir))
-    avoid = random_starts(ids.numel(), spec.n_windows, spec.seqlen, spec.seed)
-    return heldout_windows(ids, N_HELDOUT, spec.seqlen, spec.seed + HELDOUT_SEED_OFFSET, avoid)
+def heldout_starts(n_tokens: int, spec, n: int = N_HELDOUT) -> list[int]:
+    """Offsets, in the calibration split's tokens, of the ``n`` held-out windows of ``spec``: none
+    overlaps a calibration window (:func:`kvbench.calibrate.calibration_starts`) or another."""
+    avoid = calibration_starts(n_tokens, spec)
+    return W.heldout_starts(n_tokens, n, spec.seqlen, spec.seed + HELDOUT_SEED_OFFSET, avoid)
+
+
+def heldout(tokenizer, spec, n: int = N_HELDOUT) -> torch.Tensor:
+    """[n, seqlen] held-out selection windows of the calibration corpus's train split; the first k
+    are the same for every n >= k."""
+    ids = calibration_ids(tokenizer, spec)
+    return W.windows_at(ids, heldout_starts(ids.numel(), spec, n), spec.seqlen)
 
 
 def _ppl(lm: CompressedLM, windows: torch.Tensor) -> float:
@@ -73,7 +85,7 @@ def choose_split(model, tokenizer, name: str, options: dict, beta: float, stats,
     """The §5.8 split for ``name`` at bpd_KV = ``beta``: {"bpd_k", "v_bpd", "ppl", "candidates",
     "seconds", "cache_hit"}; Unsupported when no candidate is reachable."""
     blob = json.dumps({"model": model_id, "method": name, "options": options, "beta": beta,
-                       "seed": seed, "calibration": asdict(spec)}, sort_keys=True, default=str)
+                       "seed": seed, "calibration": spec_fields(spec)}, sort_keys=True, default=str)
     path = cache_dir() / "kv_split" / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
     with computed_once(path):
         if path.exists():

@@ -25,13 +25,12 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict
 
 import torch
 from tqdm.auto import tqdm
 
 from .cache_files import computed_once, unique_tmp
-from .calibrate import calibration_windows
+from .calibrate import calibration_windows, spec_fields
 from .integrate import attach
 from .models import cache_dir
 
@@ -96,7 +95,7 @@ def layer_sensitivity(model, tokenizer, method, stats, spec, seed: int, model_id
     opts = {k: v for k, v in method_fields(method).items() if k not in NOT_IN_KEY}
     blob = json.dumps({"model": model_id, "method": method.name, "version": VERSION, "options": opts,
                        "targets": list(method._ref), "sides": list(method.sensitivity_sides()),
-                       "seed": seed, "calibration": asdict(spec)}, sort_keys=True, default=str)
+                       "seed": seed, "calibration": spec_fields(spec)}, sort_keys=True, default=str)
     path = cache_dir() / "layer_sensitivity" / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
     with computed_once(path):
         if path.exists():

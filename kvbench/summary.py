@@ -19,10 +19,12 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         ("bpd K target / measured", f"{_fmt(b.get('target_k'))} / {_fmt(b.get('measured_k'))}"),
         ("bpd V target / measured", f"{_fmt(b.get('target_v'))} / {_fmt(b.get('measured_v'))}"),
     ]
-    for task, t in (b.get("by_task") or {}).items():  # METHODS.md §0 v2, per task
+    if result.get("static_bytes"):
+        rows.append(("static bytes (per model, not in bpd)", f"{result['static_bytes'] / 2**20:.3g} MiB"))
+    for task, t in (b.get("by_task") or {}).items():  # METHODS.md §0 v3, per task
         end = f"end {_fmt(t.get('end_k'))} / {_fmt(t.get('end_v'))}"
-        if "decode_mean_k" in t:
-            end += f", decoded positions read {_fmt(t['decode_mean_k'])} / {_fmt(t['decode_mean_v'])}"
+        if "prefill_end_k" in t:
+            end += f", end of prefill {_fmt(t['prefill_end_k'])} / {_fmt(t['prefill_end_v'])}"
         rows.append((f"bpd K / V {task}", f"{_fmt(t['measured_k'])} / {_fmt(t['measured_v'])} ({end})"))
     for group, values in result.get("metrics", {}).items():
         if isinstance(values, dict):

@@ -13,11 +13,14 @@ from .cobra import CobraKL, CobraMSE
 from .cobra_plus import CobraPlus
 from .compose import Compose
 from .fp16 import Fp16
+from .gear import Gear
 from .h2o import H2O
 from .kivi import Kivi
 from .kqsvd import KQSVD
+from .kvquant import KVQuant
 from .snapkv import SnapKV
 from .svdq import SVDq
+from .turboquant import TurboQuant
 
 REGISTRY: dict[str, type[KVMethod]] = {
     "fp16": Fp16,
@@ -30,6 +33,9 @@ REGISTRY: dict[str, type[KVMethod]] = {
     "h2o": H2O,
     "snapkv": SnapKV,
     "compose": Compose,  # issue 12: eviction x codec (METHODS.md §12)
+    "turboquant": TurboQuant,  # METHODS.md §16
+    "gear": Gear,  # METHODS.md §15
+    "kvquant": KVQuant,  # METHODS.md §14
 }
 
 

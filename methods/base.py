@@ -81,11 +81,12 @@ class LayerStats:
 
 @dataclass(frozen=True)
 class Regime:
-    """What a job's measured bpd is taken over (METHODS.md §0 v2), for methods whose storage
-    depends on the sequence length (fp16 buffers, per-sequence bases): ``"qall"`` = the mean over
-    ``tokens`` query positions from an empty cache (PPL track A, zero-shot); ``"prefill"`` = the
-    cache at the end of an exact prefill of ``tokens`` prompt tokens (PPL track B, LongBench,
-    RULER), followed by ``decode`` decoded positions whose mean read is reported beside it."""
+    """The scored positions a job's headline bpd is the mean over (METHODS.md §0 v3), for methods
+    whose storage depends on the sequence length (fp16 buffers, per-sequence bases, eviction):
+    ``"qall"`` = the ``tokens`` query positions of one pass from an empty cache (PPL track A,
+    zero-shot); ``"prefill"`` = an exact prefill of ``tokens`` prompt tokens whose own prediction
+    reads the compressed prompt, then ``decode`` decoded positions (PPL track B: the 512 targets
+    are that prediction and 511 decoded ones; LongBench, RULER)."""
 
     kind: str = "qall"
     tokens: int = 2048
@@ -207,6 +208,12 @@ class KVMethod:
     def knobs(self) -> dict:
         """The knobs chosen by ``configure``/``calibrate`` (logged into result.json)."""
         return {}
+
+    def static_bytes(self) -> int:
+        """Bytes of the per-model constants fitted by ``calibrate`` (projections, steps, signs,
+        means, codebooks): METHODS.md §0 reports them beside bpd, never in it. 0 for methods that
+        store nothing per model."""
+        return 0
 
     def nominal_bpd(self, n_tokens: int) -> tuple[float, float]:
         """The formula's bpd_K, bpd_V for a cache of ``n_tokens`` (METHODS.md §8), for comparison

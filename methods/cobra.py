@@ -29,7 +29,7 @@ from .cobra_alloc import (
     split_bits,
     uniform_allocate,
 )
-from .codec_state import CodecLayerState, ExactCodec
+from .codec_state import CodecLayerState, ExactCodec, codecs_static_bytes
 from .gaussquant import step_table
 from .hadamard import equalizing_rotation
 from .latent_codec import (
@@ -339,6 +339,9 @@ class Cobra(KVMethod):
         return p, sigma.clamp(min=1e-30), branch
 
     # ---- cache ----------------------------------------------------------------------------------
+
+    def static_bytes(self) -> int:
+        return codecs_static_bytes(self._k_codecs, self._v_codecs)
 
     def new_layer_state(self, layer):
         if self._k_codecs is None or self._v_codecs is None:

@@ -35,12 +35,23 @@ class Codec:
     def bits(self, packed) -> int:
         raise NotImplementedError
 
+    def static_bits(self) -> int:
+        """Bits of the per-model constants the codec needs to decode (projections, steps, signs,
+        means: METHODS.md §0 "static bytes"), reported beside bpd, never in it."""
+        return 0
+
     def encode_decode(self, x: torch.Tensor):
         """(packed, decoded) of a block: what a cache layer stores and the working copy it reads.
         Codecs override it when they can decode without reading their packed stream back (the
         same result, fewer ops)."""
         packed = self.encode(x)
         return packed, self.decode(packed)
+
+
+def codecs_static_bytes(*codec_lists) -> int:
+    """Static bytes of a method's per-layer codecs (:meth:`Codec.static_bits`, rounded up)."""
+    bits = sum(c.static_bits() for codecs in codec_lists for c in (codecs or ()))
+    return (bits + 7) // 8
 
 
 @dataclass

@@ -46,16 +46,33 @@ H2O's decode eviction:
 The reads (what each query held, METHODS.md §0 v2) are exact per head from these rules. Under
 H2O, KIVI's per-query mix of exact and quantized versions changes with the query position and
 eviction, so a decode chunk runs token by token through the eviction state (one pass = decoding
-by construction). SnapKV never evicts after its prefill, so compose(snapkv, kivi) hands the kept
-prompt to KIVI's own layer state (:class:`SnapKiviState`) and a chunk takes KIVI's one-pass path:
-PPL track B's 512 targets in one call instead of 512.
+by construction). SnapKV with ``decode="keep"`` never evicts after its prefill, so compose(snapkv,
+kivi) hands the kept prompt to KIVI's own layer state (:class:`SnapKiviState`) and a chunk takes
+KIVI's one-pass path: PPL track B's 512 targets in one call instead of 512. With ``decode="evict"``
+(``evict_options={decode: evict}``, §7.3) SnapKV re-selects while decoding, and the arrival-index
+state above runs it as it runs H2O: an evicted token's codes are dropped, its key group's scale and
+minimum stay until the group is empty.
+
+**Positions of kept tokens** (§12.3). A post-RoPE codec (KIVI, FP16) stores keys already rotated:
+the eviction needs no positions. A pre-RoPE codec (:data:`PRE_ROPE_CODECS`) stores keys before
+rotation, and each held key is rotated at its original position when read; once a token is evicted
+the slot no longer implies it, so the token-wise state stores the held positions
+(:class:`KeptPositions`), per KV head, packed, as the cheaper of two exact encodings: fixed-width
+positions of w = ⌈log₂ n_seen⌉ bits each (every held position is below the n_seen tokens seen so
+far; the width grows by one bit when n_seen passes a power of two, and is at most the spec's 16 for
+n_seen ≤ 65,536), or a kept mask of one bit per seen position (cheaper when more than about 1/w of
+the tokens are held). Nothing evicted: nothing stored (the slots are the positions). The rotation
+of the kept prompt after an exact prefill reads its positions from that stored form, and the bits
+count on the key side (values are not rotated), in ``stored_bits``, in the reads and in the fit.
 
 **Budget** (§12): bpd = kept share x codec bits per kept element + eviction state (H2O: an fp32
-score per kept token and KV head, 16/d per element and side; SnapKV: none). Without ``v_bpd`` the
-target applies to K and V alike (as for H2O). The kept share is measured over the job's regime
-(``set_regime``), as the harness reports it: in Q-all the mean over the T query positions, in
-prefill-exact regimes the cache at the end of the P-token prefill (the decoded positions' mean is
-reported beside it; SnapKV keeps every decoded token, H2O evicts back to its prefill budget).
+score per kept token and KV head, 16/d per element and side; SnapKV: none) + the positions of a
+pre-RoPE codec (key side). Without ``v_bpd`` the target applies to K and V alike (as for H2O). The
+kept share is measured over the job's regime (``set_regime``) by the headline rule of METHODS.md §0
+v3, the mean over the scored positions of what each one read: in Q-all every query position; in
+prefill-exact regimes the decoded positions after the P-token prefill (H2O evicts back to its
+prefill budget; SnapKV with decode=keep keeps every decoded token, with decode=evict re-selects),
+or the cache at the end of the prefill when the regime decodes nothing.
 ``keep=rho`` fixes the eviction's kept fraction (H2O: heavy_ratio + recent_ratio = rho, SnapKV:
 C = round(rho * P)); the codec then gets
 target / (predicted kept share) - state bits per kept element, each side, lowered to the nearest
@@ -66,20 +83,32 @@ fraction rho is then fitted (bisection) so that the predicted measured bpd_KV eq
 the codec's grid and its fp16 residual (KIVI) are paid for by keeping fewer tokens. Where no rho
 reaches the target at the split's codec budget, the codec's budget steps down its own grid until
 one does (logged in the knobs' ``note``); a target no rho reaches even at the codec's lowest budget
-is :class:`Unsupported` with the reachable range. Example (SmolLM2, PPL track B, the end of a
-1536-token prefill): KIVI (R = 128) stores the last 128 kept values at fp16, 1.33 bpd_V on its own
-once 128 tokens are kept, so bpd_KV = 1 keeps about 150 tokens (rho ~ 0.1) with 128 quantized keys.
+is :class:`Unsupported` with the reachable range. Example (SmolLM2, PPL track B, split 1/4,
+SnapKV with decode=evict): KIVI (R = 128) stores the last 128 arrived values at fp16, so bpd_KV = 1
+keeps rho ~ 0.10 (about 160 tokens at the end of the prefill) at 3-bit codes (G = 64); with
+decode=keep the 511 appended targets alone put the reachable range at bpd_KV >= 0.96 (split 1/8).
 
 Decisions where METHODS.md is silent:
 
-* Codec choices: every registered method that does not evict, except SVDq (its token groups live in
-  a per-sequence latent basis with their own fp16 buffer: neither token-wise nor KIVI's layout;
-  not supported yet) and compose itself.
+* Codec choices: every registered method that does not evict, except compose itself and
+  :data:`UNSUPPORTED_CODECS`, whose layer states are neither token-wise nor KIVI's layout: SVDq
+  (token groups in a per-sequence latent basis with their own fp16 buffer), GEAR (blocks with a
+  per-block low-rank factor and an fp16 buffer) and KVQuant (an exact first token and per-token
+  outlier lists).
 * SnapKV's ``gqa="repeat"`` (g copies per KV head, §7.2) and an explicit ``capacity`` are refused:
   compose sets the capacity from rho, one kept set per KV head.
 * The prediction that fits rho uses the codec's ``nominal_bpd(n)`` on the kept count n (exact for
-  token-wise codecs; for KIVI under H2O eviction it ignores the partially evicted groups' metadata
-  and which kept tokens sit in the residual); the reported figure is always the measured one.
+  token-wise codecs; for KIVI under eviction while decoding it ignores the partially evicted
+  groups' metadata and which kept tokens sit in the residual: compose(snapkv with decode=evict,
+  kivi) measured bpd_KV 0.97 at a target of 1 on SmolLM2, keys above and values below their
+  prediction); the reported figure is always the measured one.
+* Stored positions (pre-RoPE codecs): the width grows with the tokens seen instead of being fixed
+  at ⌈log₂ T_max⌉ for a model's whole window, the cheapest fixed-width exact code for what the
+  cache holds at that moment; the mask alternative makes the cost at most one bit per seen token
+  and KV head (1/d bpd_K). H2O's own ``count_indices`` would count a second copy, so it is refused
+  with a pre-RoPE codec. The working copy holds each key rotated once, at encode time, from these
+  positions (the prefill's kept keys) or its arrival position (a decoded key); a fused kernel would
+  rotate on every read from the same stored positions.
 * The fit targets bpd_KV, the mean of the two sides (the KV-track axis, §0): a codec whose sides
   land on different grid points (integer b_V of KV-COBRA, KIVI's full value residual) ends with one
   side above and one below its own target; both are reported.
@@ -111,11 +140,15 @@ from .codec_state import Codec, CodecLayerState
 from .groupquant import fake_quantize_groups, quantize_dequantize_groups
 from .h2o import H2OLayerState
 from .kivi import KiviLayerState
+from .packing import pack_bits, packed_nbytes, unpack_bits
 from .snapkv import SnapKVLayerState
 
 EVICTIONS = ("h2o", "snapkv")
 #: codecs whose layer state is neither token-wise nor KIVI's (see the module docstring)
-UNSUPPORTED_CODECS = ("svdq",)
+UNSUPPORTED_CODECS = ("svdq", "gear", "kvquant")
+#: codecs that store keys before RoPE (their key codec's ``pre_rope``; checked when a layer state
+#: is built): composed with an eviction they store the held positions (METHODS.md §12.3)
+PRE_ROPE_CODECS = ("svdq", "kqsvd", "cobra_mse", "cobra_kl", "cobra_plus")
 #: the split candidates the harness chooses from by calibration-corpus PPL (§12)
 SPLITS = (0.5, 0.25, 0.125)
 #: the split when no choice is made (provisional default; the harness normally chooses)
@@ -182,8 +215,18 @@ class Compose(KVMethod):
             # its target by the nominal formula rho = bpd / (16 + 16/d)
             if ev_opts.setdefault("budget", "nominal") != "nominal":
                 raise ValueError("compose: h2o's budget is compose's to fit; drop evict_options.budget")
+        if ev_opts.get("count_indices") and self.codec in PRE_ROPE_CODECS:
+            raise ValueError(
+                f"compose: {self.codec} stores keys before RoPE, so compose stores and counts the held "
+                "positions itself (METHODS.md §12.3); drop evict_options.count_indices"
+            )
         self._evictor = build_method(self.evict, **ev_opts)
-        self._codec = build_method(self.codec, **dict(self.codec_options or {}))
+        codec_opts = dict(self.codec_options or {})
+        if self.codec == "kivi" and codec_opts.setdefault("budget", "nominal") != "nominal":
+            # compose gives the codec its budget per kept element and fits rho itself: KIVI must
+            # map it by b + 32/G, not fit its own knobs to a regime it does not see
+            raise ValueError("compose: kivi's budget is compose's to fit; drop codec_options.budget")
+        self._codec = build_method(self.codec, **codec_opts)
         if self.evict == "snapkv":
             if self._evictor.gqa != "mean":
                 raise ValueError("compose: snapkv needs gqa='mean' (one kept set per KV head)")
@@ -235,7 +278,7 @@ class Compose(KVMethod):
             return
         share = float(np.mean(self._share()))
         e = self.state_bits_per_element(shape.head_dim)
-        wanted = (tk / share - e, tv / share - e)
+        wanted = ((tk - self.positions_bpd()) / share - e, tv / share - e)
         ck, cv = self._configure_codec(wanted, (tk, tv), share)
         note = None
         if not fixed:
@@ -249,6 +292,8 @@ class Compose(KVMethod):
             "keep": self.keep, "kept_share_at_split": share, "state_bits_per_element": e,
             "codec_target_k": ck, "codec_target_v": cv,
             "predicted_bpd_k": pred[0], "predicted_bpd_v": pred[1], "predicted_bpd_kv": sum(pred) / 2,
+            "positions": "stored" if self.stores_positions else "none",
+            "predicted_positions_bpd_k": self.positions_bpd(),
         }
         if note:
             self._knobs["note"] = note
@@ -285,30 +330,54 @@ class Compose(KVMethod):
 
     # ---- prediction ------------------------------------------------------------------------------
 
+    @property
+    def stores_positions(self) -> bool:
+        """Whether the held positions are stored (a pre-RoPE codec, METHODS.md §12.3)."""
+        return self.codec in PRE_ROPE_CODECS
+
     def _reads(self) -> tuple[np.ndarray, np.ndarray]:
         """(tokens held, tokens seen) at each read the regime's headline figure is taken over
-        (METHODS.md §0 v2), from the eviction's own budget functions at the current rho: Q-all, every
-        query position; prefill-exact, the cache at the end of the prefill (one read)."""
+        (METHODS.md §0 v3), from the eviction's own budget functions at the current rho: Q-all,
+        every query position; prefill-exact, the prediction the prefill makes (the cache at the end
+        of the prefill) and each decoded position (H2O: min(P + j, C + 1); SnapKV: its storage rule,
+        ``SnapKV.held_counts``)."""
         reg = self.regime
+        p = reg.tokens
         if self.evict == "h2o":
             st = self._evictor.new_layer_state(0)
             if reg.kind == "qall":
-                t = reg.tokens
-                held = [1] + [min(p, st.qall_budget(p - 1)[0]) + 1 for p in range(1, t)]
-                return np.array(held, dtype=np.float64), np.arange(1, t + 1, dtype=np.float64)
-            cap = sum(st.prefill_budget(reg.tokens))
+                held = [1] + [min(t, st.qall_budget(t - 1)[0]) + 1 for t in range(1, p)]
+                return np.array(held, dtype=np.float64), np.arange(1, p + 1, dtype=np.float64)
+            cap = sum(st.prefill_budget(p))
         else:  # SnapKV acts on a prompt: a Q-all regime reads as a prompt of that length
-            cap = self._evictor.capacity_for(reg.tokens)
-        held = min(reg.tokens, cap)
-        return np.array([held], dtype=np.float64), np.array([reg.tokens], dtype=np.float64)
+            cap = self._evictor.capacity_for(p)
+        first = np.array([min(p, cap)], dtype=np.float64)
+        if reg.kind == "qall" or not reg.decode:
+            return first, np.array([p], dtype=np.float64)
+        j = np.arange(1, reg.decode + 1, dtype=np.float64)
+        if self.evict == "h2o":
+            decoded = np.minimum(p + j, cap + 1)
+        else:
+            decoded = self._evictor.held_counts(p, reg.decode).numpy()
+        return np.concatenate([first, decoded]), np.concatenate([[float(p)], p + j])
 
     def _share(self) -> np.ndarray:
         held, seen = self._reads()
         return held / seen
 
+    def positions_bpd(self) -> float:
+        """Key-side bpd of the stored positions the regime's figure should give at the current rho
+        (0 for a post-RoPE codec): per read, :func:`position_bits` / (seen x d), averaged."""
+        if not self.stores_positions:
+            return 0.0
+        held, seen = self._reads()
+        bits = position_bits(torch.from_numpy(held), torch.from_numpy(seen)).numpy()
+        return float(np.mean(bits / (seen * self._shape.head_dim)))
+
     def predicted_bpd(self) -> tuple[float, float]:
         """bpd_K, bpd_V the regime's measured figure should give at the current knobs: per read,
-        (codec bits of the held tokens + their state bits) / (seen tokens x d), averaged."""
+        (codec bits of the held tokens + their state bits) / (seen tokens x d), averaged, plus the
+        stored positions on the key side."""
         held, seen = self._reads()
         e = self.state_bits_per_element(self._shape.head_dim)
         cache: dict[int, tuple[float, float]] = {}
@@ -319,7 +388,7 @@ class Compose(KVMethod):
         for side in (0, 1):
             bits = np.array([cache[int(n)][side] for n in held]) + held * e
             out.append(float(np.mean(bits / seen)))
-        return out[0], out[1]
+        return out[0] + self.positions_bpd(), out[1]
 
     def _fit(self, target: float, ck: float, cv: float):
         """((codec targets), rho, note): rho fitted at the codec's budgets; where no rho reaches the
@@ -344,7 +413,8 @@ class Compose(KVMethod):
 
     def _lower_codec(self, ck: float, cv: float) -> tuple[float, float] | None:
         """The codec configured one grid step below its current asymptotic rates (both sides, else
-        the side that can go lower); None when neither can."""
+        the side that can go lower); None when neither can (a codec that accepts every target but
+        stores the same, FP16, cannot either)."""
         d = self._shape.head_dim
         rk, rv = self._codec.nominal_bpd(1 << 20)  # asymptotic rates (residual share vanishes)
         tries = ((rk - 1.0 / d, rv - 1.0 / d), (ck, rv - 1.0 / d), (rk - 1.0 / d, cv))
@@ -354,9 +424,11 @@ class Compose(KVMethod):
             try:
                 k_new = k_try if k_try == ck else self._largest_accepted(k_try, lambda x: (x, None))
                 v_new = self._largest_accepted(v_try, lambda x: (k_new, x))
-                return k_new, v_new
             except Unsupported:
                 continue
+            nk, nv = self._codec.nominal_bpd(1 << 20)
+            if nk < rk or nv < rv:
+                return k_new, v_new
         self._codec.configure(self._shape, ck, cv)  # restore the last feasible budgets
         return None
 
@@ -387,7 +459,7 @@ class Compose(KVMethod):
 
     def nominal_bpd(self, n_tokens):
         """End-of-sequence bpd for a cache of ``n_tokens`` (no decode): the eviction's kept count C
-        at that length times the codec's nominal bits, plus state, over n_tokens."""
+        at that length times the codec's nominal bits, plus state (and positions), over n_tokens."""
         if self._shape is None:
             raise RuntimeError("compose: configure() before nominal_bpd()")
         if self.evict == "h2o":
@@ -396,7 +468,11 @@ class Compose(KVMethod):
             kept = min(n_tokens, self._evictor.capacity_for(n_tokens))
         e = self.state_bits_per_element(self._shape.head_dim)
         bk, bv = self._codec.nominal_bpd(kept)
-        return (bk + e) * kept / n_tokens, (bv + e) * kept / n_tokens
+        pos = 0.0
+        if self.stores_positions:
+            pos = float(position_bits(torch.tensor(float(kept)), torch.tensor(float(n_tokens))))
+        d = self._shape.head_dim
+        return (bk + e) * kept / n_tokens + pos / (n_tokens * d), (bv + e) * kept / n_tokens
 
     # ---- calibration, cache ----------------------------------------------------------------------
 
@@ -414,8 +490,13 @@ class Compose(KVMethod):
         if isinstance(cs, CodecLayerState):
             if cs.exact_first:
                 raise ValueError("compose: a codec with exact_first tokens is not supported")
+            if bool(cs.key_codec.pre_rope) != self.stores_positions:
+                raise RuntimeError(
+                    f"compose: {self.codec}'s key codec has pre_rope={cs.key_codec.pre_rope}, but "
+                    f"PRE_ROPE_CODECS {'lists' if self.stores_positions else 'does not list'} it"
+                )
             return TokenwiseComposedState(ev, cs.key_codec, cs.value_codec)
-        if isinstance(cs, KiviLayerState) and isinstance(ev, SnapKVLayerState):
+        if isinstance(cs, KiviLayerState) and isinstance(ev, SnapKVLayerState) and ev.interval is None:
             return SnapKiviState(ev, cs)
         if isinstance(cs, KiviLayerState):
             return KiviComposedState(ev, cs.bits, cs.group, cs.residual, cs.v_bits, cs.v_group)
@@ -423,6 +504,9 @@ class Compose(KVMethod):
             f"compose: codec {self.codec!r} has a {type(cs).__name__}, neither token-wise "
             "(CodecLayerState) nor KIVI's; valid choices: " + ", ".join(codec_choices())
         )
+
+    def static_bytes(self) -> int:
+        return self._codec.static_bytes()
 
     def knobs(self):
         return {
@@ -439,11 +523,8 @@ def kept_positions(ev: LayerState) -> torch.Tensor:
     """Positions [B, H, C] of the tokens an eviction state holds, in its stored order."""
     if isinstance(ev, H2OLayerState):
         return ev.kept_positions()
-    if isinstance(ev, SnapKVLayerState):  # the kept prompt, then every decoded token
-        idx = ev.kept_prompt_positions()
-        n = ev.n_kept - idx.shape[-1]
-        dec = torch.arange(ev.n_seen - n, ev.n_seen, device=idx.device).expand(*idx.shape[:-1], n)
-        return torch.cat([idx, dec], dim=-1)
+    if isinstance(ev, SnapKVLayerState):
+        return ev.kept_positions()
     raise TypeError(f"compose: no kept positions for {type(ev).__name__}")
 
 
@@ -486,6 +567,77 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------
+# Positions of held tokens under a pre-RoPE codec (METHODS.md §12.3)
+
+
+def position_width(n_seen: int) -> int:
+    """Bits of one stored position when ``n_seen`` tokens have been seen: positions
+    0 .. n_seen - 1 take ⌈log₂ n_seen⌉ bits (at least 1)."""
+    return max(1, (int(n_seen) - 1).bit_length())
+
+
+def position_bits(n_kept: torch.Tensor, n_seen: torch.Tensor) -> torch.Tensor:
+    """Bits per KV head :class:`KeptPositions` stores for ``n_kept`` held of ``n_seen`` seen tokens
+    (float64, elementwise over tensors of counts): 0 when nothing is evicted, else 8 x the bytes of
+    the cheaper encoding, fixed-width positions (``w // 8`` bytes each plus a packed stream of the
+    ``w % 8`` high bits) or the packed kept mask (⌈n_seen / 8⌉ bytes)."""
+    kept = torch.as_tensor(n_kept, dtype=torch.float64)
+    seen = torch.as_tensor(n_seen, dtype=torch.float64)
+    # ⌈log₂ seen⌉ = bit length of seen - 1, exactly from the binary exponent (frexp: x = m 2^e)
+    width = torch.frexp(torch.clamp(seen - 1, min=0)).exponent.to(torch.float64).clamp(min=1)
+    whole, rest = torch.div(width, 8, rounding_mode="floor"), torch.remainder(width, 8)
+    as_positions = whole * kept + torch.ceil(kept * rest / 8)
+    as_mask = torch.ceil(seen / 8)
+    return torch.where(kept < seen, 8 * torch.minimum(as_positions, as_mask), torch.zeros_like(kept))
+
+
+class KeptPositions:
+    """The positions [B, H, C] of the held tokens (ascending per head, as both evictions hold
+    them) as a pre-RoPE composition stores them: packed per KV head in the cheaper exact encoding
+    (module docstring; :func:`position_bits` is its size), ``"none"`` when nothing is evicted.
+    ``positions()`` decodes what is stored; ``bits()`` counts the packed bytes."""
+
+    def __init__(self, pos: torch.Tensor, n_seen: int):
+        b, h, c = pos.shape
+        self.shape, self.n_seen, self.device = (b, h, c), int(n_seen), pos.device
+        self.width = position_width(n_seen)
+        whole, rest = divmod(self.width, 8)
+        as_positions = whole * c + (packed_nbytes(c, rest) if rest else 0)
+        as_mask = packed_nbytes(self.n_seen, 1)
+        if c == self.n_seen:
+            self.kind, self.streams = "none", []
+        elif as_positions <= as_mask:
+            self.kind = "positions"
+            self.streams = [((pos >> (8 * j)) & 255).to(torch.uint8) for j in range(whole)]
+            if rest:
+                self.streams.append(pack_bits(pos >> (8 * whole), rest))
+        else:
+            self.kind = "mask"
+            mask = torch.zeros(b, h, self.n_seen, dtype=torch.uint8, device=pos.device)
+            self.streams = [pack_bits(mask.scatter_(-1, pos, 1), 1)]
+
+    def positions(self) -> torch.Tensor:
+        """The held positions [B, H, C] (int64), decoded from the stored streams."""
+        b, h, c = self.shape
+        if self.kind == "none":
+            return torch.arange(c, device=self.device).expand(b, h, c)
+        if self.kind == "mask":
+            held = unpack_bits(self.streams[0], 1, self.n_seen, dtype=torch.uint8)
+            # the c set bits of each head, ascending (a stable sort: no host synchronization)
+            return held.sort(dim=-1, descending=True, stable=True).indices[..., :c].sort(dim=-1).values
+        whole, rest = divmod(self.width, 8)
+        out = torch.zeros(b, h, c, dtype=torch.int64, device=self.device)
+        for j in range(whole):
+            out |= self.streams[j].to(torch.int64) << (8 * j)
+        if rest:
+            out |= unpack_bits(self.streams[-1], rest, c) << (8 * whole)
+        return out
+
+    def bits(self) -> int:
+        return 8 * sum(x.numel() for x in self.streams)
+
+
+# ------------------------------------------------------------------------------------------------
 # Token-wise codecs
 
 
@@ -504,7 +656,8 @@ class _ComposedState(LayerState):
 @dataclass
 class TokenwiseComposedState(_ComposedState):
     """An eviction state holding token-wise-decoded tokens; bits = held tokens x codec bits per
-    token + the eviction's state."""
+    token + the eviction's state + (a pre-RoPE key codec) the held positions, :class:`KeptPositions`,
+    rebuilt after every call from the eviction's kept set."""
 
     evict: LayerState
     key_codec: Codec
@@ -513,6 +666,11 @@ class TokenwiseComposedState(_ComposedState):
     def __post_init__(self):
         self._codec_bits = [0, 0]  # bits of every encode call, K and V
         self._encoded = 0  # token slots (all heads) encoded
+        self._positions: KeptPositions | None = None
+
+    @property
+    def stores_positions(self) -> bool:
+        return bool(self.key_codec.pre_rope)
 
     def _encode(self, k, v, k_pre, cos, sin):
         kc, vc = self.key_codec, self.value_codec
@@ -535,10 +693,20 @@ class TokenwiseComposedState(_ComposedState):
         n = max(self._encoded, 1)
         return self._codec_bits[0] / n, self._codec_bits[1] / n
 
+    def _store_positions(self) -> None:
+        if self.stores_positions:
+            self._positions = KeptPositions(kept_positions(self.evict), self.evict.n_seen)
+
+    def position_bits(self) -> int:
+        """Bits of the stored positions now (0 for a post-RoPE key codec)."""
+        return 0 if self._positions is None else self._positions.bits()
+
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
         if prefill:
             out = self.evict.attend(q, k, v, scaling=scaling, prefill=True)
-            pos = kept_positions(self.evict)
+            self._store_positions()
+            # a pre-RoPE key is rotated at the position its cache stores
+            pos = kept_positions(self.evict) if self._positions is None else self._positions.positions()
             kp = None if k_pre is None else gather_tokens(k_pre, pos)
             cos = sin = None
             if rope is not None:
@@ -550,11 +718,18 @@ class TokenwiseComposedState(_ComposedState):
         cos = sin = None
         if rope is not None:
             cos, sin = rope.cos[:, None], rope.sin[:, None]
+        n0 = self.evict.n_seen
         k_hat, v_hat = self._encode(k, v, k_pre, cos, sin)
         out = self.evict.attend(q, k_hat, v_hat, scaling=scaling, prefill=False)
+        self._store_positions()
         counts = read_counts(self.evict)
         (ck, cv), (sk, sv) = self.codec_token_bits(), state_token_bits(self.evict)
-        self._reads = (counts * (ck + sk), counts * (cv + sv))
+        reads_k = counts * (ck + sk)
+        if self.stores_positions:
+            b, h = self._positions.shape[:2]
+            seen = torch.arange(n0 + 1, n0 + k.shape[2] + 1, dtype=torch.float64)
+            reads_k = reads_k + b * h * position_bits(counts, seen)
+        self._reads = (reads_k, counts * (cv + sv))
         return out
 
     def stored_bits(self):
@@ -562,8 +737,7 @@ class TokenwiseComposedState(_ComposedState):
         if n == 0:
             return 0, 0
         (ck, cv), (sk, sv) = self.codec_token_bits(), state_token_bits(self.evict)
-        return round(n * (ck + sk)), round(n * (cv + sv))
-
+        return round(n * (ck + sk)) + self.position_bits(), round(n * (cv + sv))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -577,10 +751,11 @@ class KiviComposedState(_ComposedState):
 
     Codec-side edits of held tokens (a key group's flush, a value leaving the residual) are written
     into the eviction's storage (``kept_kv``/``replace_kept_kv``). Held tokens are in ascending
-    arrival order in both evictions (H2O keeps ascending positions; SnapKV appends). The job
-    builds it for H2O; SnapKV, which never evicts after its prefill, gets :class:`SnapKiviState`
-    (KIVI's own state on the kept sequence, its one-pass chunk path included), and this class on
-    SnapKV is the independent reference the tests hold it to."""
+    arrival order in both evictions (H2O keeps ascending positions; SnapKV appends and its
+    re-selections keep the held order). The job builds it for H2O and for SnapKV with
+    decode=evict; SnapKV with decode=keep, which never evicts after its prefill, gets
+    :class:`SnapKiviState` (KIVI's own state on the kept sequence, its one-pass chunk path
+    included), and this class on SnapKV is the independent reference the tests hold it to."""
 
     evict: LayerState
     bits: int
@@ -724,9 +899,9 @@ class KiviComposedState(_ComposedState):
 
 
 class SnapKiviState(LayerState):
-    """compose(snapkv, kivi): SnapKV selects at the end of the exact prefill and never evicts
-    after it, so the composition is KIVI on the kept sequence (arrival = index, module docstring).
-    The kept prompt, in position order, is handed to KIVI's own layer state as its prompt
+    """compose(snapkv, kivi) with decode=keep: SnapKV selects at the end of the exact prefill and
+    never evicts after it, so the composition is KIVI on the kept sequence (arrival = index, module
+    docstring). The kept prompt, in position order, is handed to KIVI's own layer state as its prompt
     (``KiviLayerState.store_prompt``); from there KIVI stores, attends and counts by its own rules,
     its one-pass form of a decode chunk included (PPL track B's 512 scored targets are one call,
     not 512). SnapKV keeps no state beyond the tokens, so the bits are KIVI's."""

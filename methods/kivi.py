@@ -19,15 +19,35 @@ for KV Cache", ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI. Specification: ME
 
 Decisions where METHODS.md is silent:
 
-* **Budget mapping** (``configure``): among b in {1,2,3,4,8}, G in {32,64,128} (R a multiple of G
-  for keys; G_v <= d and d a multiple of G_v for values) take the **largest asymptotic nominal
-  b + 32/G <= target** (2.0 -> (1,32), 2.25 -> (2,128), 3.0 -> (2,32), 4.0 -> (3,32)). The fp16
-  residual share depends on T, so it is not part of the mapping and is reported by the measured bpd
-  (and by ``nominal_bpd(T)``). Below the floor (1.25 at b=1, G=128) -> :class:`Unsupported`.
-* Explicit options override the mapping: ``bits``/``group`` fix those knobs (the other one is
-  chosen by the rule, or defaults to b=2 / G=32 with no target). ``group`` and ``v_group``
-  default to ``None`` (= chosen by ``configure``; 32 when nothing else decides) rather than 32, so that the
-  (2, 128) point of §8 is reachable. With no key target and no ``bits``: KIVI-2 (b=2, G=32).
+* **Budget** (``budget``, METHODS.md §0 v3, §8). ``"measured"`` (default): the target is the
+  job's *measured* headline in its regime (``set_regime``): Q-all (PPL track A, zero-shot), the mean
+  over the T query positions of what each read; after a P-token exact prefill (PPL track B,
+  LongBench, RULER), the mean over the scored positions: the prefill's own prediction at the stored
+  prompt, then the D decoded positions. The fp16 residual window is what makes it differ from the
+  nominal figure (b=2, G=32, R=128 in Q-all at T=2048: 4.885 against 3.00 at the end of the
+  window). Grid: b in 1..8 (every width the packed cache stores exactly; the paper's kernels have
+  2/4/8 and METHODS.md §2.4 admits 1 and 3 as fake quantization, 5-7 are the same arithmetic);
+  G in {32, 64, 128} (values: G <= d, G divides d); R a multiple of the key group from 32 to 128
+  (the paper's LongBench R; its GSM8K example uses 32). R = 0 is not a KIVI setting: the official
+  code takes P mod R, and per-channel key groups wait in full precision until they complete, which
+  R = G already is. One R for keys and values, as in KIVI's code. The predicted figure is the
+  exact bit count (:func:`headline_bpd`, the §2.3 storage rule with codes + fp16 scale and minimum
+  per group + 16 bits per full-precision element, what ``stored_bits`` measures). Among the grid
+  points within **2 % of the target on either side** (the tables' "at target" band; each side at
+  its own target in the KV-track) the fit takes the most key bits, then the most value bits, then
+  the largest R, then the smallest groups (finer groups, the paper's G = 32), then the closest. No
+  point in the band -> :class:`Unsupported` naming the reachable range in that regime and the
+  nearest grid points (the grid is sparse: in Q-all at T = 2048 keys reach 2.67-10.0, but e.g. 3.0
+  falls between 2.71 and 3.17). ``"nominal"``: the asymptotic mapping, the largest
+  b + 32/G <= target over b in {1,2,3,4,8}, G in {32,64,128} (2.0 -> (1,32), 2.25 -> (2,128),
+  3.0 -> (2,32), 4.0 -> (3,32)), R = 128; below its floor (1.25 at b=1, G=128) ->
+  :class:`Unsupported`. ``knobs()`` says which (``budget``, ``fitted``, ``not_fitted``) and the
+  headline the knobs predict in the job's regime (``predicted``).
+* Explicit options override the fit: with any of ``bits``, ``group``, ``residual``, ``v_bits``,
+  ``v_group`` given, the job runs those knobs, the others mapped as ``"nominal"`` maps them
+  (``group`` defaults to 32 with no target, R to 128), and reports its measured bpd without a
+  target check (``knobs.not_fitted`` says so). The paper's setting is ``bits=2 group=32
+  residual=128``. With no key target: KIVI-2 (b=2, G=32, R=128), not fitted.
 * Values: ``bpd_v=None`` and ``v_bits=None`` -> values are kept exactly (16 bits, no quantization).
   ``v_bits`` given -> values quantized even without a target. ``v_group`` separate from ``group``
   (one target per side; KIVI's code shares one group size, so pass ``v_group=group`` to mimic it).
@@ -44,6 +64,8 @@ Decisions where METHODS.md is silent:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -51,13 +73,14 @@ import torch
 import torch.nn.functional as F
 
 from .attention import causal_attention, causal_mask, work_dtype
-from .base import KVMethod, LayerState, Unsupported, held_bits, query_positions
+from .base import KVMethod, LayerState, Regime, Unsupported, held_bits, query_positions
 from .groupquant import quantize_dequantize_groups
 
 BITS_GRID = (1, 2, 3, 4, 8)
 GROUP_GRID = (32, 64, 128)
 DEFAULT_BITS = 2
 DEFAULT_GROUP = 32
+DEFAULT_RESIDUAL = 128  # R of the paper's LongBench runs (METHODS.md §2.2)
 _EPS = 1e-9
 
 
@@ -626,20 +649,142 @@ def _row(g: Growing) -> int:
     return 0 if d is None else d.shape[0] * d.shape[1] * d.shape[3]
 
 
-def kivi_bpd(n_tokens: int, bits: int, group: int, n_full: int) -> float:
-    """§2.4: [(T - n_full)(b + 32/G) + 16 n_full] / T."""
+def kivi_bpd(n_tokens, bits: int, group: int, n_full):
+    """§2.4: [(T - n_full)(b + 32/G) + 16 n_full] / T (numbers, or float64 tensors elementwise)."""
     t = n_tokens
     return ((t - n_full) * (bits + 32.0 / group) + 16.0 * n_full) / t
+
+
+# ---- budget='measured': the knob grid and the headline it predicts ----------------------------
+
+#: bits tried by the fit: every width the packed cache stores exactly (KIVI's kernels: 2/4/8)
+FIT_BITS = tuple(range(1, 9))
+#: largest residual window tried by the fit: the paper's LongBench setting (METHODS.md §2.2)
+MAX_RESIDUAL = 128
+#: relative band in which a measured bpd counts as at its target (the tables' mark)
+AT_TARGET = 0.02
+BUDGETS = ("measured", "nominal")
+#: options that, when given, switch the fit off (the job runs them as set)
+KNOB_OPTIONS = ("bits", "group", "residual", "v_bits", "v_group")
+
+
+def scored_reads(regime: Regime, residual: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens held, of them quantized) at each position whose prediction the regime scores
+    (METHODS.md §0 v3, §2.3), float64. Q-all: the query at p reads p + 1 tokens, keys below
+    R floor(p/R) and values below p - R quantized. After a P-token exact prefill: its own
+    prediction reads the stored prompt (keys below R floor(P/R), values below P - R), then each
+    decoded query at p = P..P+D-1 reads as in Q-all."""
+    r = float(residual)
+    if regime.kind == "qall":
+        p = torch.arange(regime.tokens, dtype=torch.float64)
+    else:
+        p = torch.arange(regime.tokens - 1, regime.tokens + regime.decode, dtype=torch.float64)
+    held = p + 1
+    if side == "k":
+        quant = r * torch.floor(p / r)
+    else:
+        quant = (p - r).clamp(min=0)
+    if regime.kind == "prefill":  # the prefill's own prediction: the stored P-token prompt
+        n = float(regime.tokens)
+        quant[0] = r * math.floor(n / r) if side == "k" else max(0.0, n - r)
+    return held, quant
+
+
+def headline_bpd(bits: int, group: int, residual: int, regime: Regime, side: str) -> float:
+    """The measured bpd of one side in ``regime`` (METHODS.md §0 v3): the mean over the scored
+    positions of :func:`kivi_bpd` of what each one read, exact (b + 32/G bits per quantized
+    element: codes plus fp16 scale and minimum per group; 16 per full-precision element)."""
+    held, quant = scored_reads(regime, residual, side)
+    return float(kivi_bpd(held, bits, group, held - quant).mean())
+
+
+def residual_grid() -> tuple[int, ...]:
+    """R tried by the fit: multiples of the smallest group up to :data:`MAX_RESIDUAL`."""
+    g = min(GROUP_GRID)
+    return tuple(range(g, MAX_RESIDUAL + 1, g))
+
+
+def value_groups(head_dim: int) -> tuple[int, ...]:
+    """Value channel groups of the grid that fit a head: G <= d and G divides d."""
+    return tuple(g for g in GROUP_GRID if g <= head_dim and head_dim % g == 0)
+
+
+def side_points(side: str, regime: Regime, head_dim: int, residual: int) -> list[tuple[float, int, int]]:
+    """(measured bpd, b, G) of every grid point of one side at residual R (keys: G divides R)."""
+    groups = [g for g in GROUP_GRID if residual % g == 0] if side == "k" else value_groups(head_dim)
+    return [(headline_bpd(b, g, residual, regime, side), b, g) for b in FIT_BITS for g in groups]
+
+
+def in_band(x: float, target: float) -> bool:
+    return abs(x - target) <= AT_TARGET * target + _EPS
+
+
+def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> dict:
+    """budget='measured': the grid point whose measured bpd (:func:`headline_bpd`) lies within
+    :data:`AT_TARGET` of the key target and, with a value target, of the value target too, one
+    R shared by both sides as in KIVI. Preference among those: the most key bits, then the most
+    value bits, then the largest R, then the smallest groups, then the closest to the targets.
+    :class:`Unsupported` with the reachable ranges when no point is in the band."""
+    best = None
+    for r in residual_grid():
+        keys = [x for x in side_points("k", regime, head_dim, r) if in_band(x[0], target_k)]
+        vals = [None] if target_v is None else [
+            x for x in side_points("v", regime, head_dim, r) if in_band(x[0], target_v)]
+        for k in keys:
+            for v in vals:
+                miss = abs(k[0] - target_k) / target_k + (0.0 if v is None else abs(v[0] - target_v) / target_v)
+                pref = (k[1], 0 if v is None else v[1], r, -k[2], 0 if v is None else -v[2], -miss)
+                if best is None or pref > best[0]:
+                    best = (pref, k, v, r)
+    if best is None:
+        raise Unsupported(unreachable(target_k, target_v, head_dim, regime))
+    _, k, v, r = best
+    return {"bits": k[1], "group": k[2], "residual": r, "v_bits": None if v is None else v[1],
+            "v_group": None if v is None else v[2], "predicted_bpd_k": k[0],
+            "predicted_bpd_v": None if v is None else v[0]}
+
+
+def describe(regime: Regime) -> str:
+    if regime.kind == "qall":
+        return f"Q-all over {regime.tokens} positions"
+    return f"a {regime.tokens}-token prefill + {regime.decode} decoded positions"
+
+
+def unreachable(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> str:
+    """Why no grid point fits: each side's reachable range in the regime and the grid points
+    nearest the target on either side (or that no shared R serves both)."""
+    grid = (f"b in {FIT_BITS[0]}..{FIT_BITS[-1]}, G in {list(GROUP_GRID)}, R in {list(residual_grid())} "
+            f"(a multiple of the key group)")
+    parts = []
+    for side, target, name in (("k", target_k, "bpd"), ("v", target_v, "v_bpd")):
+        if target is None:
+            continue
+        pts = [(x[0], x[1], x[2], r) for r in residual_grid() for x in side_points(side, regime, head_dim, r)]
+        if not pts:
+            parts.append(f"{name}: no value group in {list(GROUP_GRID)} fits head_dim={head_dim}")
+            continue
+        lo, hi = min(pts)[0], max(pts)[0]
+        below = max((p for p in pts if p[0] < target), default=None)
+        above = min((p for p in pts if p[0] > target), default=None)
+        near = ", ".join(f"{p[0]:.3f} at (b={p[1]}, G={p[2]}, R={p[3]})" for p in (below, above) if p)
+        shared = sorted({p[3] for p in pts if in_band(p[0], target)})
+        why = (f"within {AT_TARGET:.0%} only at R in {shared}, where the other side has no point in the band"
+               if shared else f"no grid point within {AT_TARGET:.0%}; nearest {near}")
+        parts.append(f"{name}={target:g}: reachable range [{lo:.2f}, {hi:.2f}], {why}")
+    return (f"kivi: not reachable in {describe(regime)} (measured bpd, fp16 residual window and "
+            f"metadata included; grid {grid}): " + "; ".join(parts)
+            + " (budget=nominal maps b + 32/G instead; explicit knobs run as set)")
 
 
 @dataclass
 class Kivi(KVMethod):
     """KIVI (Liu et al., ICML 2024, arXiv 2402.02750), METHODS.md §2; see the module docstring.
 
-    bits/group: key bits and token-group size; v_bits/v_group: value bits and channel-group size
-    (None = chosen by ``configure``; values exact when neither ``bpd_v`` nor ``v_bits`` is given);
-    residual: R, the full-precision window (a multiple of the key group). ``configure`` leaves these
-    options untouched and records its choice in ``knobs()``."""
+    bits/group: key bits and token-group size; v_bits/v_group: value bits and channel-group size;
+    residual: R, the full-precision window (a multiple of the key group). None = chosen by
+    ``configure``; values exact when neither ``bpd_v`` nor ``v_bits`` is given. budget: "measured"
+    (the job's measured bpd is the target) or "nominal" (b + 32/G <= target, R = 128 unless given).
+    ``configure`` leaves these options untouched and records its choice in ``knobs()``."""
 
     name = "kivi"
 
@@ -647,53 +792,100 @@ class Kivi(KVMethod):
     v_bits: int | None = None
     group: int | None = None
     v_group: int | None = None
-    residual: int = 128
+    residual: int | None = None
+    budget: str = "measured"
+
+    def __post_init__(self):
+        if self.budget not in BUDGETS:
+            raise ValueError(f"kivi: budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.residual is not None and (isinstance(self.residual, bool) or int(self.residual) != self.residual
+                                          or self.residual < 1):
+            raise ValueError(f"kivi: residual must be a positive integer (or null), got {self.residual!r}")
+
+    def _explicit(self) -> list[str]:
+        return [f"{k}={getattr(self, k)}" for k in KNOB_OPTIONS if getattr(self, k) is not None]
 
     def configure(self, shape, bpd_k, bpd_v):
         d = shape.head_dim
-        kb, kg = grid_choice(
-            bpd_k, bits=self.bits, group=self.group, divides=self.residual, side="bpd"
-        )
+        self._fit = None
+        explicit = self._explicit()
+        if self.budget == "measured" and bpd_k is not None and not explicit:
+            fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), d, self.regime)
+            self._resolved = tuple(fit[k] for k in ("bits", "group", "residual", "v_bits", "v_group"))
+            self._fit = {"regime": dataclasses.asdict(self.regime), "band": AT_TARGET,
+                         "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
+            self._not_fitted = None
+        else:
+            self._resolved = self._nominal_knobs(d, bpd_k, bpd_v)
+            self._not_fitted = (
+                "no key target: KIVI-2 defaults" if bpd_k is None
+                else "budget=nominal: the largest b + 32/G <= target" if self.budget == "nominal"
+                else f"explicit knobs ({', '.join(explicit)}): not fitted to the target, reported at the "
+                     "measured bpd"
+            )
+        self._predicted = self._predict(self.regime)
+        self._check()
+
+    def _nominal_knobs(self, d, bpd_k, bpd_v) -> tuple:
+        """The asymptotic mapping (largest b + 32/G <= target over {1,2,3,4,8} x {32,64,128}),
+        explicit options fixed, R = 128 unless given."""
+        r = self.residual or DEFAULT_RESIDUAL
+        kb, kg = grid_choice(bpd_k, bits=self.bits, group=self.group, divides=r, side="bpd")
         vb = vg = None
         if bpd_v is not None or self.v_bits is not None:
             vb, vg = grid_choice(
                 bpd_v, bits=self.v_bits, group=self.v_group, max_group=d, divides=d, side="v_bpd"
             )
-        self._resolved = (kb, kg, vb, vg)
-        self._check()
+        return kb, kg, r, vb, vg
 
-    def _knobs(self) -> tuple[int, int, int | None, int | None]:
+    def _predict(self, regime: Regime) -> dict:
+        """The measured bpd the resolved knobs give in ``regime`` (:func:`headline_bpd`)."""
+        kb, kg, r, vb, vg = self._knobs()
+        pk = headline_bpd(kb, kg, r, regime, "k")
+        pv = 16.0 if vb is None else headline_bpd(vb, vg or kg, r, regime, "v")
+        return {"regime": dataclasses.asdict(regime), "bpd_k": pk, "bpd_v": pv}
+
+    def _knobs(self) -> tuple:
         resolved = getattr(self, "_resolved", None)
         if resolved is None:  # not configured: the explicit options, KIVI-2 defaults otherwise
             resolved = (
                 self.bits or DEFAULT_BITS,
                 self.group or DEFAULT_GROUP,
+                self.residual or DEFAULT_RESIDUAL,
                 self.v_bits,
                 self.v_group if self.v_bits is not None else None,
             )
         return resolved
 
     def _check(self):
-        kb, kg, vb, _ = self._knobs()
+        kb, kg, r, vb, _ = self._knobs()
         for name, b in (("bits", kb), ("v_bits", vb)):
             if b is not None and not (isinstance(b, int) and 1 <= b <= 8):
                 raise ValueError(f"kivi: {name} must be an integer in 1..8, got {b!r}")
-        if self.residual < 1 or self.residual % kg:
-            raise ValueError(f"kivi: residual {self.residual} must be a multiple of group {kg}")
+        if r < 1 or r % kg:
+            raise ValueError(f"kivi: residual {r} must be a multiple of group {kg}")
 
     def new_layer_state(self, layer):
         self._check()
-        kb, kg, vb, vg = self._knobs()
-        return KiviLayerState(kb, kg, self.residual, vb, vg)
+        kb, kg, r, vb, vg = self._knobs()
+        return KiviLayerState(kb, kg, r, vb, vg)
 
     def knobs(self):
-        kb, kg, vb, vg = self._knobs()
-        return {"bits": kb, "group": kg, "residual": self.residual, "v_bits": vb, "v_group": vg}
+        kb, kg, r, vb, vg = self._knobs()
+        out = {"bits": kb, "group": kg, "residual": r, "v_bits": vb, "v_group": vg,
+               "budget": self.budget, "fitted": getattr(self, "_fit", None) is not None,
+               "fit": getattr(self, "_fit", None)}
+        if getattr(self, "_not_fitted", None):
+            out["not_fitted"] = self._not_fitted
+        if getattr(self, "_predicted", None):
+            out["predicted"] = self._predicted
+        return out
 
     def nominal_bpd(self, n_tokens):
+        """§2.4 at the end of a window of ``n_tokens`` (keys: T mod R at fp16; values: min(T, R))."""
         t = n_tokens
-        kb, kg, vb, vg = self._knobs()
-        bpd_k = kivi_bpd(t, kb, kg, t % self.residual)
+        kb, kg, r, vb, vg = self._knobs()
+        bpd_k = kivi_bpd(t, kb, kg, t % r)
         if vb is None:
             return bpd_k, 16.0
-        return bpd_k, kivi_bpd(t, vb, vg or kg, min(t, self.residual))
+        return bpd_k, kivi_bpd(t, vb, vg or kg, min(t, r))

@@ -15,7 +15,7 @@ import torch
 from .base import KVMethod, ModelShape, Unsupported
 from .cobra import key_moments, key_spectra
 from .cobra_alloc import Q_MODELS, prefix_terms
-from .codec_state import CodecLayerState, ExactCodec
+from .codec_state import CodecLayerState, ExactCodec, codecs_static_bytes
 from .gaussquant import optimal_step
 from .latent_codec import (
     LatentKeyCodec,
@@ -212,6 +212,9 @@ class KQSVD(KVMethod):
         groups = None if samples is None else [((x @ a_n) / sd_n).float() for x, a_n, sd_n in zip(samples, a, sd)]
         n = samples[0].shape[0] if samples else 0
         return step_multipliers(self.step, groups, [bits] * (len(groups) if groups else 0), n)
+
+    def static_bytes(self) -> int:
+        return codecs_static_bytes(self._k_codecs, self._v_codecs)
 
     def new_layer_state(self, layer):
         if self._k_codecs is None or self._v_codecs is None:

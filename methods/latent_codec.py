@@ -155,6 +155,14 @@ class LatentKeyCodec(Codec):
         self.quantize = quantize
         self._cache: dict = {}
 
+    def static_bits(self) -> int:
+        """fp16 mean [H, d], the active projection rows (encoder, and the decoder when it differs
+        from the encoder) and steps at fp16, and a 4-bit width per slot (widths <= 8 bits)."""
+        d = self.mu.shape[-1]
+        rows = int(self.active.numel())
+        same = self.enc.shape == self.dec.shape and torch.equal(self.enc, self.dec)
+        return 16 * (self.mu.numel() + rows * d * (1 if same else 2) + rows) + 4 * self.slots
+
     @classmethod
     def from_heads(cls, mu, heads, quantize: bool = True) -> "LatentKeyCodec":
         """One layer from per-head (P [r_h, d], steps [r_h], widths [r_h]) with P both encoder and
@@ -250,6 +258,15 @@ class RotatedValueCodec(Codec):
 
     def _params(self, device, dtype):
         return _on(self._cache, (self.rot, self.step, self.mu), device, dtype)
+
+    def static_bits(self) -> int:
+        """The rotation H_d D_s / sqrt(d) is a fixed Hadamard and d random signs per head (1 bit
+        each; a Haar rotation, where no Hadamard order d exists, is d x d fp16); the step and the
+        mean at fp16."""
+        h, d = self.mu.shape
+        signs = bool(torch.allclose(self.rot.abs(), torch.full_like(self.rot, d ** -0.5)))
+        rotation = h * d if signs else 16 * self.rot.numel()
+        return rotation + 16 * (self.step.numel() + self.mu.numel())
 
     def _widths(self, d: int) -> tuple[int, ...]:
         """The packing layout of one token's d codes (a tuple: no tensor per call)."""

@@ -117,26 +117,25 @@ def schedule_nominal(schedule, group_tokens: int) -> float:
 
 
 def _read_positions(regime) -> torch.Tensor:
-    """Query positions whose reads the distortion proxy averages over: every position of a Q-all
-    pass; the decoded ones after a prefill (the last prompt position when nothing is decoded)."""
+    """Query positions whose reads the headline averages over (METHODS.md §0 v3): every position
+    of a Q-all pass; after a P-token prefill, the scored ones: P-1 (the prefill's own prediction,
+    counted at the end-of-prefill cache) and the D decoded positions P..P+D-1."""
     if regime.kind == "qall":
         return torch.arange(regime.tokens, dtype=torch.float64)
-    if regime.decode == 0:
-        return torch.tensor([regime.tokens - 1.0], dtype=torch.float64)
-    return torch.arange(regime.tokens, regime.tokens + regime.decode, dtype=torch.float64)
+    return torch.arange(regime.tokens - 1, regime.tokens + regime.decode, dtype=torch.float64)
 
 
 def predicted_bpd(schedule, group: int, head_dim: int, regime, basis: str) -> float:
-    """The measured bpd_K of METHODS.md §0 v2 from §3.3. Q-all: per query position p, keys
-    0..G_t floor(p/G_t)-1 read quantized at mean(b_j) + (n_act/d) 32/G_t bits, the rest fp16,
-    averaged over p. Prefill-exact: the stored cache at the end of a P-token prefill (keys below
-    G_t floor(P/G_t) quantized). Plus 16 (n_act + 1)/n for a prefill basis."""
-    if regime.kind == "qall":
-        p = torch.arange(regime.tokens, dtype=torch.float64)
-        n, nq = p + 1, group * torch.floor(p / group)
-    else:
-        n = torch.tensor([float(regime.tokens)], dtype=torch.float64)
-        nq = group * torch.floor(n / group)
+    """The measured bpd_K of METHODS.md §0 v3 from §3.3: the mean over the regime's scored
+    positions p of the bits read / (n d). Q-all: the query at p reads n = p + 1 keys, of which
+    G_t floor(p/G_t) quantized at mean(b_j) + (n_act/d) 32/G_t bits, the rest fp16. After a
+    P-token exact prefill the prefill's own prediction reads the stored prompt (n = P, keys below
+    G_t floor(P/G_t) quantized) and a decoded query at p >= P reads as in Q-all. Plus
+    16 (n_act + 1)/n for a prefill basis."""
+    p = _read_positions(regime)
+    n, nq = p + 1, group * torch.floor(p / group)
+    if regime.kind == "prefill":  # the end-of-prefill read: every complete group quantized
+        nq[0] = group * math.floor(regime.tokens / group)
     quant = schedule_nominal(schedule, group)
     bits = nq * quant + (n - nq) * 16.0
     if basis == "prefill":
@@ -547,6 +546,16 @@ class SVDq(KVMethod):
         pending = getattr(self, "_sched", None) is None and hasattr(self, "_target")
         if pending and hasattr(self, "_group_var"):
             self._sched = self._resolve_schedule(self._group_var, self._head_dim)
+
+    def static_bytes(self) -> int:
+        """The calibration basis (its active columns) and mean per layer at fp16; 0 with a
+        per-sequence prefill basis, which is counted in bpd."""
+        if self._basis_kind() != "calib" or not getattr(self, "_basis", None):
+            return 0
+        n_act = len(active_channels(self._schedule(), self._head_dim))
+        bits = sum(16 * (mu.numel() + basis.shape[0] * basis.shape[1] * n_act)
+                   for mu, basis in zip(self._mu, self._basis))
+        return bits // 8
 
     # ---- cache --------------------------------------------------------------------------------
     def _schedule(self):

@@ -17,6 +17,19 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker runs torch on one intra-op thread: the workers already fill
+    the cores, and two threads per worker on a 2-core machine only add spin-waits."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
+def pytest_report_header(config):
+    """The CPU kernels the results came from (``ATEN_CPU_CAPABILITY`` picks lower ones)."""
+    return (f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} intra-op threads")
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test (restored after): per-token loops of tiny ops only gain

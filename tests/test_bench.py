@@ -1,15 +1,17 @@
-"""``python -m kvbench.bench`` (issues 7 and 15) on tiny shapes, and the pieces its rows rest on.
+"""``python -m kvbench.bench`` and the device check on tiny shapes, and the pieces their rows rest on.
 
 The smoke report checks the JSON's structure and that every row carries a number and a verdict. No
 timing assertions: the numbers of a smoke run mean nothing, and the machine may be busy. The
 op-count rule, the e2e byte counts, the memory probe and the zero-shot scoring are checked against
-hand counts and independent references.
+hand counts and independent references; the verdicts against broken methods (10x a perplexity, a
+NaN, an op count or a memory growth above its target), which must MISS.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -86,11 +88,14 @@ def test_opcount_rows(report):
         d = row["detail"]
         assert d["kernels_per_layer"] > 0 and d["views_per_layer"] >= 0
         assert d["ratio_to_fp16"] == pytest.approx(d["kernels_per_layer"] / plain[d["regime"]]["detail"]["kernels_per_layer"])
+        assert d["all_ops_per_layer"] == pytest.approx(d["kernels_per_layer"] + d["host_ops_per_layer"])
         if d["method"] in ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl"):
             assert row["op"] == "<=" and row["target"] == 3.0
     h2o = next(r for r in rows if r["detail"]["method"] == "h2o" and r["detail"]["regime"] == "one-pass")
-    assert h2o["value"] == pytest.approx(h2o["detail"]["kernels_per_layer"] / h2o["detail"]["tokens"])
-    assert h2o["target"] == 20.0
+    assert h2o["value"] == pytest.approx(h2o["detail"]["ratio_to_fp16"])  # the whole window's ops
+    assert h2o["op"] == "<=" and h2o["target"] == 3.0
+    assert h2o["detail"]["kernels_per_token_per_layer"] == pytest.approx(
+        h2o["detail"]["kernels_per_layer"] / h2o["detail"]["tokens"])
 
 
 def test_e2e_plain_cache_bytes_are_the_dynamic_cache(report):
@@ -104,7 +109,7 @@ def test_e2e_plain_cache_bytes_are_the_dynamic_cache(report):
         assert d["status"] == "ok", row
         assert d["prefill_s"] > 0 and d["decode_tok_s"] > 0 and d["peak_bytes"] > 0
         if d["method"] != "plain":
-            assert d["ratios"]["peak"] == pytest.approx(row["value"])
+            assert row["value"] == pytest.approx(d["ratios"]["peak"])
             continue
         tokens = d["tokens_prompt"] + d["new_tokens"] - 1
         expect = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * tokens * cfg.head_dim * itemsize
@@ -117,8 +122,20 @@ def test_verdict_follows_the_target():
     assert bench.Row("s", "r", "m", 30.0, "%", ">=", 25.0).verdict == "PASS"
     assert bench.Row("s", "r", "m", float("nan"), "%", ">=", 25.0).verdict == "MISS"
     assert bench.Row("s", "r", "m", 5.0, "x", "info", 0.0).verdict == "INFO"
-    assert bench.Row("s", "r", "m", 5.0, "", "finite", 0.0).verdict == "PASS"
+    assert bench.Row("s", "r", "m", 5.0, "", "finite", 0.0).verdict == "INFO"  # a number is no evidence
     assert bench.Row("s", "r", "m", float("inf"), "", "finite", 0.0).verdict == "MISS"
+    assert bench.Row("s", "r", "m", float("nan"), "", "finite", 0.0).verdict == "MISS"
+    bad = bench.Row("s", "r", "m", 1.0, "x", "<=", 1.15, note="n", invalid="nothing compressed")
+    assert bad.verdict == "MISS" and bad.note.startswith("nothing compressed")
+    with pytest.raises(ValueError, match="valid choices"):
+        bench.Row("s", "r", "m", 1.0, "x", "==", 1.0)
+
+
+def test_no_pass_without_a_target(report):
+    """A PASS is only ever earned against a numeric target (<=, <, >=), never by being finite."""
+    for row in report["rows"]:
+        if row["verdict"] == "PASS":
+            assert row["op"] in ("<=", "<", ">="), row
 
 
 def test_python_m_entry_point_is_the_package():
@@ -275,22 +292,256 @@ def test_in_pass_gap_is_zero_for_exact_paths_and_catches_a_broken_one(one_thread
     assert gpu_check.in_pass_gap(model, Broken(), ids) > 1e-3
 
 
+def _result(label, method, ppl, bpd=2.0, v_bpd=None, measured=(2.0, 16.0), track="A", **kw):
+    """A device-check result of one method as :func:`gpu_check.check_method` returns it."""
+    return {"label": label, "method": method, "bpd": bpd, "v_bpd": v_bpd, "options": {"o": 1},
+            "ppl": {"value": ppl, "track": track, "seconds": 1.0, "measured_bpd": list(measured)},
+            "longqa": {"f1": 0.0, "seconds": 1.0, "prompt_tokens": 10, "prediction": "x"},
+            "inpass_dtype": 0.5, "inpass_f64": 1e-14, **kw}
+
+
+def _reference(*results) -> tuple[dict, str]:
+    """Reference entries (as :func:`gpu_check.reference_entries` returns them) at each result's ppl."""
+    return {r["label"]: {"method": r["method"], "bpd": r["bpd"], "v_bpd": r["v_bpd"], "options": r["options"],
+                         "track": r["ppl"]["track"], "ppl": r["ppl"]["value"],
+                         "measured_bpd": r["ppl"]["measured_bpd"]} for r in results}, ""
+
+
+def _verdicts(rows) -> dict:
+    return {(r.section, r.detail.get("method", r.name)): r.verdict for r in rows}
+
+
 def test_device_check_rows_follow_the_tolerance():
     from kvbench.bench import gpu_check
 
     preset = gpu_check.PRESET["quick"]
-    ok = {"label": "kivi", "method": "kivi", "bpd": 2.0, "v_bpd": None,
-          "ppl": {"value": 12.0, "track": "A", "seconds": 1.0, "measured_bpd": [2.0, 16.0]},
-          "longqa": {"f1": 0.0, "seconds": 1.0, "prompt_tokens": 10, "prediction": "x"},
-          "inpass_dtype": 0.5, "inpass_f64": 1e-14}
-    bad = {**ok, "label": "svdq", "method": "svdq", "inpass_f64": 2e-4}
-    nan = {**ok, "label": "h2o", "method": "h2o", "ppl": {**ok["ppl"], "value": float("nan")}}
+    fp16 = _result("fp16", "fp16", 96.0, None, None, (16.0, 16.0))
+    ok = _result("kivi", "kivi", 1100.0)
+    bad = _result("svdq", "svdq", 150.0, inpass_f64=2e-4)
+    nan = _result("h2o", "h2o", 130.0, 4.0, 4.0, (3.87, 3.87))
     failed = {"label": "kqsvd", "method": "kqsvd", "bpd": 2.0, "v_bpd": None, "error": "RuntimeError: boom"}
-    rows = gpu_check.smollm2_rows([ok, bad, nan, failed], preset, "bfloat16")
-    verdict = {(r.section, r.detail.get("method", r.name)): r.verdict for r in rows}
+    entries = _reference(fp16, ok, bad, nan)
+    nan = {**nan, "ppl": {**nan["ppl"], "value": float("nan")}}
+    run = [fp16, {**ok, "ppl": {**ok["ppl"], "value": 1100.0 * 1.02}}, bad, nan, failed]
+    verdict = _verdicts(gpu_check.smollm2_rows(run, preset, "bfloat16", entries))
     assert verdict[("inpass", "kivi")] == "PASS" and verdict[("inpass", "svdq")] == "MISS"
-    assert verdict[("ppl", "kivi")] == "PASS" and verdict[("ppl", "h2o")] == "MISS"
+    assert verdict[("ppl", "fp16")] == "PASS" and verdict[("ppl", "kivi")] == "PASS"  # 2% off its reference
+    assert verdict[("ppl", "h2o")] == "MISS"  # NaN
+    assert verdict[("longqa", "kivi")] == "INFO"  # F1 0 for every method: no evidence either way
+    rows = gpu_check.smollm2_rows(run, preset, "bfloat16", entries)
     assert [r.verdict for r in rows if r.section == "smollm2"] == ["MISS"]
+
+
+def test_device_check_ppl_misses_a_broken_method():
+    """10x FP16's perplexity, 10x its own reference, just outside the tolerance, or another measured
+    bpd: MISS; inside the tolerance: PASS; no reference (or one for other options): INFO."""
+    from kvbench.bench import gpu_check
+
+    preset = gpu_check.PRESET["quick"]
+    fp16 = _result("fp16", "fp16", 96.0, None, None, (16.0, 16.0))
+    cobra = _result("cobra_kl", "cobra_kl", 200.0)
+    entries = _reference(fp16, cobra)
+
+    def verdict(value, bpd=None, **kw):
+        r = {**cobra, **kw, "ppl": {**cobra["ppl"], "value": value, **({"measured_bpd": bpd} if bpd else {})}}
+        return gpu_check.ppl_row(r, "cobra_kl", preset, "bfloat16", entries)
+
+    tol = gpu_check.PPL_TOL
+    assert verdict(200.0).verdict == "PASS"
+    assert verdict(200.0 * math.exp(0.99 * tol)).verdict == "PASS"
+    assert verdict(200.0 * math.exp(-0.99 * tol)).verdict == "PASS"
+    assert verdict(200.0 * math.exp(1.01 * tol)).verdict == "MISS"
+    assert verdict(10 * 96.0).verdict == "MISS"
+    assert verdict(10 * 200.0).verdict == "MISS"
+    assert verdict(float("inf")).verdict == "MISS"
+    assert verdict(float("nan")).verdict == "MISS"
+    moved = verdict(200.0, [2.5, 16.0])
+    assert moved.verdict == "MISS" and "measured bpd" in moved.note
+    other = verdict(200.0, options={"o": 2})
+    assert other.verdict == "INFO" and "options" in other.note
+    assert gpu_check.ppl_row(cobra, "cobra_kl", preset, "bfloat16", ({}, "no reference file")).verdict == "INFO"
+    assert gpu_check.ppl_row({**cobra, "ppl": {**cobra["ppl"], "value": float("nan")}}, "cobra_kl", preset,
+                             "bfloat16", ({}, "no reference file")).verdict == "MISS"
+
+
+def test_device_check_reference_matches_data_and_preset():
+    from kvbench.bench import gpu_check
+
+    data = {"model": "smollm2_135m", "source": "s", "calibration": {"sha256": "a"}, "window": {"sha256": "b"}}
+    ref = {"schema": gpu_check.REFERENCE_SCHEMA, "presets": {"quick": {"data": data, "methods": {"fp16": {}}}}}
+    assert gpu_check.reference_entries(ref, "quick", data) == ({"fp16": {}}, "")
+    assert gpu_check.reference_entries(ref, "full", data)[1] == "no reference for preset 'full'"
+    other = {**data, "window": {"sha256": "c"}}
+    assert gpu_check.reference_entries(ref, "quick", other)[1].startswith("reference made with another window")
+    assert gpu_check.reference_entries(None, "quick", data)[1] == "no reference file"
+
+
+def test_stored_reference_leaves_no_pass_to_a_tenfold_perplexity():
+    """The committed float32 reference: every method's own figure passes, and a result at 10x
+    FP16's perplexity or at 10x its own misses, for every method of every preset."""
+    from kvbench.bench import gpu_check
+
+    ref = gpu_check.load_reference(gpu_check.REFERENCE)
+    if ref is None:
+        pytest.skip("no reference file")
+    for name, entry in ref["presets"].items():
+        preset = gpu_check.PRESET[name]
+        entries = entry["methods"], ""
+        fp16 = entries[0]["fp16"]["ppl"]
+        for label, m in entries[0].items():
+            r = _result(label, m["method"], m["ppl"], m["bpd"], m["v_bpd"], m["measured_bpd"], m["track"])
+            r["options"] = m["options"]
+            assert gpu_check.ppl_row(r, label, preset, "bfloat16", entries).verdict == "PASS", (name, label)
+            for fake in (10 * fp16, 10 * m["ppl"]):
+                r["ppl"]["value"] = fake
+                assert gpu_check.ppl_row(r, label, preset, "bfloat16", entries).verdict == "MISS", (name, label, fake)
+
+
+def test_e2e_peak_passes_only_where_it_can_fail_a_method():
+    """Where the weights are most of the peak, a method needing twice plain's growth stays under
+    1.1x of plain's peak: such a row is INFO (MISS above the target), and a PASS needs a case where
+    that method would miss."""
+    gib = 2**30
+
+    def case(before, peak, **kw):
+        return {"status": "ok", "prefill_s": 1.0, "decode_s": 1.0, "decode_tok_s": 3.0,
+                "before_bytes": int(before * gib), "peak_bytes": int(peak * gib), "stored_bytes": 2**24,
+                "resident_bytes": 2**24, **kw}
+
+    def row(res, base):
+        return e2e.method_row("x", "kivi", 2.0, None, 64, 4, res, base, 5 * gib, "peak RSS", torch.float32)
+
+    weights_bound = case(5.0, 5.4)  # growth 7% of the peak
+    twice = row(case(5.0, 5.8), weights_bound)
+    assert twice.value < 1.1 and twice.detail["ratios"]["peak_growth"] == pytest.approx(2.0)
+    assert twice.verdict == "INFO" and not twice.detail["discriminates"] and twice.detail["dtype"] == "float32"
+    assert row(case(5.0, 6.0), weights_bound).verdict == "MISS"  # above the target: MISS anyway
+    cache_bound = case(2.0, 5.0)  # growth 60% of the peak
+    assert row(case(2.0, 8.0), cache_bound).verdict == "MISS"  # twice the growth
+    assert row(case(2.0, 5.2), cache_bound).verdict == "PASS"
+    assert row({"status": "oom", "error": "RuntimeError: out of memory", "before_bytes": 0, "peak_bytes": 0},
+               cache_bound).verdict == "MISS"
+
+
+# ---- op-count verdicts ----------------------------------------------------------------------------
+
+
+def _counts(fp16_decode, fp16_one, **methods) -> dict:
+    c = {("fp16", "decode"): opcount.OpCount(fp16_decode, 0, 0, Counter()),
+         ("fp16", "one-pass"): opcount.OpCount(fp16_one, 0, 0, Counter())}
+    for label, (dec, one, host) in methods.items():
+        c[label, "decode"] = opcount.OpCount(dec, 0, 0, Counter(), host)
+        if one is not None:
+            c[label, "one-pass"] = opcount.OpCount(one, 0, 0, Counter(), host)
+    return c
+
+
+def test_opcount_rows_miss_above_the_target():
+    """Per layer (2 layers, 4 steps): a codec at 3.5x FP16 misses, at 2.9x passes; H2O's one-pass
+    with a per-token recursion (5.6 ops per token over a 2048-token window) misses the per-window
+    bound, one at 2.5x FP16's window passes; host ops are reported beside and not in the verdict."""
+    from methods import ModelShape
+
+    shape = ModelShape(n_layers=2, n_q_heads=32, n_kv_heads=8, head_dim=128)
+    t, steps, layers = 2048, 4, 2
+    n_dec = layers * steps
+    counts = _counts(13 * n_dec, 11 * layers, kivi=(int(3.5 * 13 * n_dec), int(2.9 * 11 * layers), 0),
+                     kqsvd=(int(2.9 * 13 * n_dec), int(2.9 * 11 * layers), 40 * layers),
+                     h2o=(20 * n_dec, int(5.6 * t) * layers, 0))
+    rows = {(r.detail["method"], r.detail["regime"]): r for r in opcount.rows_from(counts, t, steps, layers, shape)}
+    assert rows["kivi", "decode"].verdict == "MISS" and rows["kivi", "one-pass"].verdict == "PASS"
+    kq = rows["kqsvd", "one-pass"]
+    assert kq.verdict == "PASS" and kq.detail["all_ops_per_layer"] == pytest.approx(kq.detail["kernels_per_layer"] + 40)
+    assert kq.detail["all_ops_ratio_to_fp16"] > 3.0  # with the host ops it would miss: they are reported
+    assert rows["h2o", "one-pass"].verdict == "MISS"
+    assert rows["h2o", "decode"].verdict == "INFO"
+    fixed = _counts(13 * n_dec, 11 * layers, h2o=(20 * n_dec, int(2.5 * 11) * layers, 0))
+    h2o = [r for r in opcount.rows_from(fixed, t, steps, layers, shape) if r.detail["regime"] == "one-pass"
+           and r.detail["method"] == "h2o"][0]
+    assert h2o.verdict == "PASS"
+
+
+def test_host_ops_are_only_ops_on_float64_host_data():
+    """Inside a ``kvbench.host`` range, ops on float64 tensors and Python scalars are host ops; an
+    op there with a float32 (a model's) tensor or a tensor list counts as a device op."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x32 = torch.randn(8)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function(opcount.ATTN):
+            with record_function(opcount.HOST):
+                p = torch.arange(0, 8, dtype=torch.float64)  # host
+                b = (p + 1) * 16.0  # add, mul: host
+                torch.floor(b / 3).clamp(min=0)  # div, floor, clamp: host
+                x32 * 2.0  # a device op inside the range
+                torch.cat([p, b])  # a tensor list: not checkable, a device op
+    c = opcount.count_events(prof.events())
+    assert c.host == 6
+    assert c.kernels == 2 and c.by_name == {"aten::mul": 1, "aten::cat": 1}
+
+
+@pytest.mark.parametrize("name", ["cobra_kl", "kivi"])
+def test_host_ranges_of_the_methods_hold_host_data_only(name, monkeypatch, one_thread):
+    """The methods' ``kvbench.host`` ranges (their read-bits bookkeeping) pass the host check op
+    by op: counting every op in them as a host op gives the same device count as checking each
+    (an op on the model's tensors put into such a range would make the two differ)."""
+    from conftest import tiny_llama
+    from kvbench.bench.common import make_method, synthetic_stats
+    from kvbench.integrate import model_shape
+
+    model = tiny_llama()
+    assert next(model.parameters()).dtype == torch.float32  # no tensor of the model's is float64
+    shape = model_shape(model)
+    method = make_method(name, {}, shape, 2.0, None, synthetic_stats(shape))
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(0))
+    opcount.one_pass(model, method, ids)  # the first pass prepares per-device constants
+    checked = opcount.one_pass(model, method, ids)
+    monkeypatch.setattr(opcount, "_host_only", lambda e: True)
+    trusted = opcount.one_pass(model, method, ids)
+    assert checked.host > 0
+    assert (checked.kernels, checked.host) == (trusted.kernels, trusted.host)
+
+
+# ---- the CPU dtype --------------------------------------------------------------------------------
+
+
+def test_cpu_dtype_follows_native_bf16(monkeypatch):
+    from kvbench.bench import common, gpu_check
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setenv(common.FORCE_NO_NATIVE_BF16, "1")
+    assert not common.native_bf16() and common.cpu_dtype() == torch.float32
+    dtype, why = common.bench_dtype("auto", cpu)
+    assert dtype == torch.float32 and common.FORCE_NO_NATIVE_BF16 in why
+    assert common.bench_dtype(None, cuda)[0] == torch.bfloat16
+    assert common.bench_dtype("bfloat16", cpu)[0] == torch.bfloat16  # asked for: as given
+    with pytest.raises(ValueError, match="valid choices: auto, bfloat16"):
+        common.bench_dtype("bf16", cpu)
+    quick = common.e2e_sizes(common.PRESETS["quick"], cpu, torch.float32)
+    assert (quick.e2e_layers_cpu, quick.e2e_lengths, quick.e2e_new_tokens) == (1, (2048,), 16)
+    assert common.e2e_sizes(common.PRESETS["quick"], cpu, torch.bfloat16) == common.PRESETS["quick"]
+    assert common.e2e_sizes(common.PRESETS["quick"], cuda, torch.float32) == common.PRESETS["quick"]
+    assert gpu_check.e2e_plan(gpu_check.PRESET["quick"], "cpu", torch.float32) == (1, (1024,), 16)
+    assert gpu_check.e2e_plan(gpu_check.PRESET["quick"], "cpu", torch.bfloat16) == (2, (4096,), 16)
+    monkeypatch.setenv(common.FORCE_NO_NATIVE_BF16, "0")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert common.native_bf16() and common.cpu_dtype() == torch.bfloat16
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert common.cpu_dtype() == torch.float32
+    assert "no native bf16" in common.bench_dtype("auto", cpu)[1]
+
+
+def test_e2e_without_native_bf16_runs_in_float32(monkeypatch, tmp_path, one_thread):
+    """The no-native-bf16 branch end to end: the e2e model, its rows and the JSON say float32."""
+    from kvbench.bench import common
+
+    monkeypatch.setenv(common.FORCE_NO_NATIVE_BF16, "1")
+    out = tmp_path / "e2e.json"
+    bench.main(["--smoke", "--model", "tiny", "--threads", "1", "--out", str(out), "--sections", "e2e",
+                "--e2e-methods", "kivi"])
+    rep = json.loads(out.read_text())
+    assert rep["e2e_model"]["dtype"] == "float32" and common.FORCE_NO_NATIVE_BF16 in rep["e2e_model"]["dtype_reason"]
+    assert {r["detail"]["dtype"] for r in rep["rows"]} == {"float32"}
 
 
 def test_zeroshot_method_subset_and_unknown_name():

@@ -1,12 +1,14 @@
-"""Measured bpd, convention v2 (METHODS.md §0): what the cache held when each query read it.
+"""Measured bpd, convention v3 (METHODS.md §0): what the cache held when each scored prediction
+was made.
 
 Every method's mean-over-positions figure (PPL track A, zero-shot) is checked against a direct
-computation from its storage rule (METHODS.md §2.3-2.4, §3.3, §4.3, §5.10, §6.3-6.4, §7.3), written
-here from the spec and not from the layer states; and the chunked pass against token-by-token
-decoding. The prefill-exact figure (track B, generation) is the end of prefill plus the mean over
-the decoded positions.
+count of the bits its storage rule keeps (METHODS.md §2.3-2.4, §3.3, §4.3, §5.4-5.10, §6.3-6.4,
+§8, §13), written out here from the spec and from the knobs the method chose (bit widths, ranks,
+per-head budgets, group sizes, residual windows), never from the method's own bpd formulas or
+layer states; and the chunked pass against token-by-token decoding. The prefill-exact figure
+(track B, generation) is the mean over the scored positions: the prediction the exact prefill
+makes, at the end-of-prefill cache, then the decoded ones.
 """
-
 from __future__ import annotations
 
 import math
@@ -20,6 +22,8 @@ from kvbench.compressed_lm import CompressedLM, summarize_readings
 from kvbench.integrate import attach, model_shape
 from methods.kivi import KiviLayerState
 
+pytestmark = pytest.mark.numerics
+
 T = 80
 CASES = [
     ("fp16", {}, None, None),
@@ -29,6 +33,9 @@ CASES = [
     ("kqsvd", {}, 1.0, 4.0),
     ("cobra_kl", {}, 0.5, 4.0),
     ("cobra_kl", {"first_fp16": True}, 1.0, 4.0),
+    ("cobra_plus", {}, 1.0, None),
+    ("cobra_plus", {}, 1.0, 4.0),
+    ("turboquant", {}, 2.0, 3.0),
     ("h2o", {}, 4.0, None),
     ("h2o", {"count_indices": True}, 2.0, None),
 ]
@@ -41,40 +48,97 @@ def model_and_stats():
     return model, collect_stats(model, torch.randint(0, 128, (4, 64), generator=g))
 
 
-def direct_bpd(method, shape, t: int) -> tuple[list[float], list[float]]:
+def rotated_value_bits(method, d: int, v_bpd) -> float:
+    """§5.8: values through the Hadamard rotation and a fixed step store b_V bits per element
+    (one global integer, no metadata); no value target: 16-bit values."""
+    if v_bpd is None:
+        return 16.0 * d
+    assert method.knobs()["v_codec"].startswith(f"rotated(b={int(v_bpd)},")
+    return float(int(v_bpd) * d)
+
+
+def per_head_budgets(knobs, target: float, shape, side: str = "k") -> list[int]:
+    """§5.4 / §5.10: per-head code bits per token; they sum to floor(target d N) and a head of
+    rank r codes r coordinates at b_min..b_max bits each (§5.3, §5.5)."""
+    d, n = shape.head_dim, shape.n_heads_total
+    budgets = [int(b) for b in knobs["budgets" if side == "k" else "v_budgets"]]
+    assert len(budgets) == n
+    if side == "k":
+        for b, r in zip(budgets, knobs["ranks"]):
+            assert (b == 0) == (r == 0) and 2 * r <= b <= 8 * r  # b_min = 2, b_max = 8
+    else:
+        assert all(d <= b <= 8 * d for b in budgets)  # full rank, 1..8 bits per coordinate
+    if target is not None:
+        assert sum(budgets) == math.floor(target * d * n + 1e-9)
+    return budgets
+
+
+def token_bits(method, shape, bpd, v_bpd) -> tuple[float, float]:
+    """Bits stored per token, summed over the N KV heads, by a token-wise codec (every token
+    coded on arrival, the same cost whatever the position: METHODS.md §4.3, §5.9-5.10, §13)."""
+    d, n = shape.head_dim, shape.n_heads_total
+    knobs = method.knobs()
+    if method.name == "fp16":
+        return 16.0 * d * n, 16.0 * d * n
+    if method.name == "kqsvd":  # §4.3: r latent coordinates at b bits each, r b = target d
+        r, b = knobs["rank"], knobs["bits"]
+        assert r * b == round(bpd * d) and r % 2 == 0 and 2 <= b <= 8
+        return float(r * b * n), rotated_value_bits(method, d, v_bpd) * n
+    if method.name == "cobra_plus" and knobs.get("joint_kv"):  # §13: one K + V budget per token
+        k, v = per_head_budgets(knobs, None, shape), per_head_budgets(knobs, None, shape, "v")
+        assert sum(k) + sum(v) == math.floor((bpd + v_bpd) * d * n + 1e-9) == knobs["joint_total_bits"]
+        return float(sum(k)), float(sum(v))
+    if method.name in ("cobra_kl", "cobra_mse", "cobra_plus"):  # §5.4, §5.8
+        return float(sum(per_head_budgets(knobs, bpd, shape))), rotated_value_bits(method, d, v_bpd) * n
+    if method.name == "turboquant":  # §16.7 (mse, unsplit): sum_j b_j + one fp16 norm per vector
+        k, v = (sum(w for inst in knobs[f"{side}_widths"] for w in inst) + 16 for side in "kv")
+        return float(k * n), float(v * n)
+    raise AssertionError(f"no storage rule written for {method.name}")
+
+
+def direct_bpd(method, shape, t: int, bpd=None, v_bpd=None) -> tuple[list[float], list[float]]:
     """bpd_K, bpd_V per query position p = 0..t-1 from the METHODS.md storage rules."""
-    d = shape.head_dim
+    d, n_heads = shape.head_dim, shape.n_heads_total
     ks, vs = [], []
     knobs = method.knobs()
     for p in range(t):
         n = p + 1  # tokens the query reads
         if method.name == "kivi":  # §2.3: key s quantized iff s < R floor(p/R); value iff s < p - R
-            r = knobs["residual"]
+            r = knobs["residual"]  # §2.4: b code bits + a 16-bit scale and minimum per group of G
             nq = r * (p // r)
-            ks.append((nq * (knobs["bits"] + 32 / knobs["group"]) + (n - nq) * 16) / n)
+            ks.append((nq * knobs["bits"] + (nq // knobs["group"]) * 32 + (n - nq) * 16) / n)
             if knobs["v_bits"] is None:
                 vs.append(16.0)
             else:
                 nv = max(0, p - r)
-                vs.append((nv * (knobs["v_bits"] + 32 / knobs["v_group"]) + (n - nv) * 16) / n)
+                g = knobs["v_group"]
+                vs.append((nv * (d * knobs["v_bits"] + (d // g) * 32) / d + (n - nv) * 16) / n)
         elif method.name == "svdq":  # §3.3, calib basis: the KIVI key rule with R = G_t
             g, sched = knobs["group_tokens"], knobs["schedule"]
-            active = sum(1 for b in sched if b > 0) / len(sched)
+            m = d // len(sched)  # channels per latent group; a kept channel has a scale + minimum
+            code_bits = sum(b * m for b in sched)
+            meta_bits = sum(m for b in sched if b > 0) * 32
             nq = g * (p // g)
-            ks.append((nq * (sum(sched) / len(sched) + active * 32 / g) + (n - nq) * 16) / n)
+            ks.append((nq * code_bits / d + (nq // g) * meta_bits / d + (n - nq) * 16) / n)
             vs.append(16.0)
         elif method.name == "h2o":  # §6.3: the query reads min(p, C_{p-1}) kept tokens + itself
             rho, floor = knobs["rho_qall"], knobs["min_budget"]  # the Q-all ρ
             cap_before = max(floor, math.ceil(rho * p - 1e-9)) if p else 0
             kept = min(p, cap_before) + 1
-            per = 16 + 16 / d * (2 if knobs["count_indices"] else 1)
-            ks.append(kept * per / n)
-            vs.append(kept * per / n)
-        else:  # token-wise codecs (§4.3, §5.10) and fp16: a fixed cost per token
-            k, v = method.nominal_bpd(t)
-            first = 16.0 if getattr(method, "first_fp16", False) else None  # §5.9: the sink at 16
-            ks.append(k if first is None else (first + p * k) / n)
-            vs.append(v if first is None else (first + p * v) / n)
+            # §6.4: 16 bits per kept element; one fp32 score per kept token and KV head, shared by
+            # K and V (16/d per element and side); count_indices: an int32 position, likewise
+            extra = 32 * (2 if knobs["count_indices"] else 1) / 2
+            ks.append(kept * (16 * d + extra) / (d * n))
+            vs.append(kept * (16 * d + extra) / (d * n))
+        else:  # token-wise codecs: a fixed number of bits per token
+            k_tok, v_tok = token_bits(method, shape, bpd, v_bpd)
+            k_el, v_el = k_tok / (n_heads * d), v_tok / (n_heads * d)
+            if getattr(method, "first_fp16", False):
+                ks.append((16.0 + p * k_el) / n)  # §5.9: the first token stored at 16 bits
+                vs.append((16.0 + p * v_el) / n)
+            else:
+                ks.append(k_el)
+                vs.append(v_el)
     return ks, vs
 
 
@@ -96,7 +160,7 @@ def test_track_a_mean_over_positions_equals_direct_computation(model_and_stats, 
                 steps.append(comp.read_bpd())
     finally:
         comp.detach()
-    ks, vs = direct_bpd(method, model_shape(model), T)
+    ks, vs = direct_bpd(method, model_shape(model), T, bpd, v_bpd)
     # token-wise bit streams pad the last byte of each encode call: < 8 bits per layer and call
     tol = 8 * 2 / (model_shape(model).n_heads_total * model_shape(model).head_dim)
     assert per_k.tolist() == pytest.approx(ks, abs=tol)
@@ -124,7 +188,7 @@ def test_kivi_example_of_methods_section_0():
     assert float(per_position.mean()) == pytest.approx(4.8848, abs=1e-4)
 
 
-def test_prefill_exact_reports_end_of_prefill_and_the_mean_over_decoded_positions(model_and_stats):
+def test_prefill_exact_headline_is_the_mean_over_the_scored_positions(model_and_stats):
     model, _ = model_and_stats
     method = configured_method(model, "snapkv", {"window": 8, "kernel": 3}, 4.0, None, None)
     lm = CompressedLM(model, None, attach(model, method))
@@ -136,18 +200,20 @@ def test_prefill_exact_reports_end_of_prefill_and_the_mean_over_decoded_position
         lm.compressor.detach()
     scored, generated = lm.readings
     c = 15  # max(W + 1, round(60 * 4/16)) prompt tokens kept
-    assert scored.mean == generated.mean == pytest.approx((16 * c / 60,) * 2)  # end of prefill
-    # 19 teacher-forced targets read the kept prompt plus themselves (and the targets before)
-    decoded = [16 * (c + i + 1) / (60 + i + 1) for i in range(19)]
-    assert scored.decode_mean == pytest.approx((sum(decoded) / 19,) * 2)
+    prefill_end = 16 * c / 60  # the compressed prompt: what the exact prefill's own prediction reads
+    assert scored.prefill_end == generated.prefill_end == pytest.approx((prefill_end,) * 2)
+    # 20 targets: the first predicted by the prefill, 19 by teacher-forced positions that read the
+    # kept prompt plus themselves (and the targets before)
+    reads = [prefill_end] + [16 * (c + i + 1) / (60 + i + 1) for i in range(19)]
+    assert scored.positions == 20 and scored.mean == pytest.approx((sum(reads) / 20,) * 2)
     assert scored.end == pytest.approx((16 * (c + 19) / 79,) * 2)
-    # generation: 6 tokens, 5 decode steps after the prefill (the last token is never fed back)
-    decoded = [16 * (c + i + 1) / (60 + i + 1) for i in range(5)]
-    assert generated.decode_mean == pytest.approx((sum(decoded) / 5,) * 2)
+    # generation: 6 tokens, the first from the prefill, then 5 decode steps (the last token is
+    # never fed back)
+    reads_gen = [prefill_end] + [16 * (c + i + 1) / (60 + i + 1) for i in range(5)]
+    assert generated.positions == 6 and generated.mean == pytest.approx((sum(reads_gen) / 6,) * 2)
     summary = summarize_readings([scored, generated])
-    assert summary["measured_k"] == pytest.approx(16 * c / 60)
-    assert summary["decode_mean_k"] == pytest.approx(
-        (scored.decode_mean[0] * 19 + generated.decode_mean[0] * 5) / 24)
+    assert summary["measured_k"] == pytest.approx((sum(reads) + sum(reads_gen)) / 26)
+    assert summary["prefill_end_k"] == pytest.approx(prefill_end)
 
 
 def test_the_plain_model_reads_sixteen_bits(model_and_stats):

@@ -12,6 +12,8 @@ from methods.gaussquant import STEP_BRACKET, calibrated_multipliers, optimal_ste
 from methods.kqsvd import KQSVD
 from methods.latent_codec import SAMPLE_TOKENS, build_value_codecs
 
+pytestmark = pytest.mark.numerics
+
 F64 = torch.float64
 
 

@@ -11,6 +11,8 @@ from methods.cobra import Cobra, CobraKL, CobraMSE, quant_factor, rope_average
 from methods.cobra_alloc import split_bits
 from methods.gaussquant import gaussian_mse, optimal_step
 
+pytestmark = pytest.mark.numerics
+
 SHAPE = ModelShape(n_layers=4, n_q_heads=4, n_kv_heads=2, head_dim=64)
 F64 = torch.float64
 

@@ -18,6 +18,8 @@ from methods.cobra_alloc import (
 )
 from methods.gaussquant import gaussian_mse
 
+pytestmark = pytest.mark.numerics
+
 
 def spectra(n_heads: int, d: int, seed: int = 0) -> torch.Tensor:
     """Heterogeneous power-law spectra (decay 0.3..2.8, scales over ~e^+-2), sorted descending."""

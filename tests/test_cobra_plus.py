@@ -20,6 +20,8 @@ from methods.cobra_plus import CobraPlus, LatentValueCodec
 from test_cobra import SHAPE, inputs, make_rope, synthetic_stats
 from test_cobra_alloc import spectra
 
+pytestmark = pytest.mark.numerics
+
 F64 = torch.float64
 
 
@@ -184,25 +186,26 @@ def test_alpha_ones_reproduces_plain_allocation_and_alpha_moves_bits():
 def test_switches_change_what_they_should():
     base = built(1.0)
     kn = base.knobs()
-    assert kn["alloc"] == "exact" and kn["step"] == "calibrated"
-    assert built(1.0, step="gauss").knobs()["step"] == "gauss"
+    assert kn["alloc"] == "kkt" and kn["step"] == "gauss"
+    assert built(1.0, step="calibrated").knobs()["step"] == "calibrated"
     assert built(1.0, c2=True).knobs()["alloc"] == "seed"
-    assert built(1.0, c2="kkt").knobs()["alloc"] == "kkt"
+    assert built(1.0, c2="exact").knobs()["alloc"] == "exact"
     # q model and KL term change the allocation's objective, hence the budgets / ranks
     assert not torch.equal(built(1.0, q_model="seed")._budgets, base._budgets)
     assert built(1.0, kl_term="seed").knobs()["distortion_total"] != pytest.approx(kn["distortion_total"])
     # the calibrated step changes steps only, never the budgets
-    gauss = built(1.0, step="gauss")
-    assert torch.equal(gauss._budgets, base._budgets)
-    assert not torch.equal(gauss._k_codecs[0].step, base._k_codecs[0].step)
+    calibrated = built(1.0, step="calibrated")
+    assert torch.equal(calibrated._budgets, base._budgets)
+    assert not torch.equal(calibrated._k_codecs[0].step, base._k_codecs[0].step)
     # joint_kv=false keeps the fixed split (one global b_V)
     fixed = built(1.0, 4.0, joint_kv=False)
     assert fixed.nominal_bpd(16) == (1.0, 4.0) and fixed._v_budgets is None
     with pytest.raises(ValueError, match="sensitivity_metric"):
         build_method("cobra_plus", sensitivity_metric="mse")
-    # ablate=<part> puts exactly that part back to its plain / seed-literal choice
+    # ablate=<part> puts exactly that part back to its plain / seed-literal choice (step and
+    # sensitivity, whose defaults are that choice: switched on)
     for part, (key, value) in {"q_model": ("q_model", "seed"), "kl_term": ("kl_term", "seed"), "alloc": ("c2", True),
-                               "step": ("step", "gauss"), "sensitivity": ("sensitivity", True),
+                               "step": ("step", "calibrated"), "sensitivity": ("sensitivity", True),
                                "joint_kv": ("joint_kv", False), "q_stat": ("q_stat", "plain"),
                                "clip": ("clip_scale", 1.0)}.items():
         m = build_method("cobra_plus", ablate=part)

@@ -20,7 +20,13 @@ from kvbench.calibrate import collect_stats
 from kvbench.integrate import attach, model_shape
 from methods import Regime, Unsupported, build_method
 from methods.base import ModelShape
-from methods.compose import KiviComposedState, SnapKiviState, TokenwiseComposedState
+from methods.compose import (
+    KeptPositions,
+    KiviComposedState,
+    SnapKiviState,
+    TokenwiseComposedState,
+    position_bits,
+)
 from methods.groupquant import fake_quantize_groups
 from methods.h2o import H2OLayerState
 from methods.kivi import KiviLayerState
@@ -29,11 +35,12 @@ from methods.snapkv import SnapKVLayerState
 from test_h2o import h2o_reference, make_qkv
 from test_run import _job, tiny_checkpoint  # noqa: F401 - the job tests' tiny checkpoint fixture
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
 
 T = 80
 KIVI = {"bits": 2, "group": 16, "v_bits": 2, "v_group": 16, "residual": 32}
 SNAP = {"window": 8, "kernel": 3}
+SNAP_EVICT = {**SNAP, "decode": "evict"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,10 +139,36 @@ def test_capability_flags_come_from_the_parts():
 # budget
 
 
+def _h2o_qall_held(rho, t, floor=8):
+    """Tokens each query reads in Q-all (§6.3), written from the spec."""
+    return np.array([min(p, max(floor, math.ceil(rho * p - 1e-9))) + 1 if p else 1 for p in range(t)])
+
+
 def _h2o_qall_share(rho, t, floor=8):
-    """Kept share each query reads in Q-all (§6.3), written from the spec."""
-    held = [min(p, max(floor, math.ceil(rho * p - 1e-9))) + 1 if p else 1 for p in range(t)]
-    return np.array(held) / np.arange(1, t + 1)
+    """Kept share each query reads in Q-all (§6.3)."""
+    return _h2o_qall_held(rho, t, floor) / np.arange(1, t + 1)
+
+
+def naive_position_encoding(kept, seen):
+    """(encoding, bits per KV head) of the stored positions (§12.3), written out: nothing evicted,
+    nothing; else the cheaper of ⌈log₂ seen⌉-bit positions (whole bytes each, the remaining bits
+    packed into bytes) and a kept mask of one bit per seen position (packed into bytes)."""
+    if kept == seen:
+        return "none", 0
+    w = max(1, math.ceil(math.log2(seen)))
+    as_positions = (w // 8) * kept + math.ceil(kept * (w % 8) / 8)
+    as_mask = math.ceil(seen / 8)
+    return ("positions", 8 * as_positions) if as_positions <= as_mask else ("mask", 8 * as_mask)
+
+
+def naive_position_bits(kept, seen):
+    return naive_position_encoding(kept, seen)[1]
+
+
+def _qall_position_bpd(rho, t, d):
+    """Key-side bpd of the positions of a pre-RoPE codec under H2O in Q-all, mean over positions."""
+    held = _h2o_qall_held(rho, t)
+    return float(np.mean([naive_position_bits(int(n), p + 1) / ((p + 1) * d) for p, n in enumerate(held)]))
 
 
 def test_fixed_keep_gives_the_codec_the_rest_of_the_budget():
@@ -146,7 +179,10 @@ def test_fixed_keep_gives_the_codec_the_rest_of_the_budget():
     share = _h2o_qall_share(0.25, 2048).mean()
     k = m.knobs()
     assert k["rho"] == pytest.approx(0.25) and not k["fitted"]
-    assert k["codec_target_k"] == pytest.approx(1.0 / share - 16 / 64)  # fp32 score: 16/d per side
+    # fp32 score: 16/d per side; the keys (pre-RoPE) also pay for the stored positions (§12.3)
+    pos = _qall_position_bpd(0.25, 2048, 64)
+    assert 0 < pos == pytest.approx(k["predicted_positions_bpd_k"]) and k["positions"] == "stored"
+    assert k["codec_target_k"] == pytest.approx((1.0 - pos) / share - 16 / 64)
     # values take an integer b_V (§5.8): the largest one below the share, 3 of 3.62
     assert k["codec_target_v"] == math.floor(1.0 / share - 0.25) == 3
     assert k["codec_knobs"]["target_bpd_v"] == 3.0
@@ -159,15 +195,25 @@ def test_fitted_rho_spends_the_target_and_unreachable_targets_name_the_range():
     m.configure(shape, 1.0, None)
     k = m.knobs()
     assert k["fitted"] and k["predicted_bpd_kv"] == pytest.approx(1.0, abs=2e-3)
-    # prefill-exact: the headline is the cache at the end of the prefill (METHODS.md §0 v2)
-    assert k["kept_share_at_split"] == round(0.25 * 1536) / 1536
+    assert k["positions"] == "none" and k["predicted_positions_bpd_k"] == 0  # KIVI is post-RoPE
+    # prefill-exact: the headline is the mean over the 512 scored reads (METHODS.md §0 v3), the
+    # prefill's own prediction at C_0 = round(0.25 * 1536) kept tokens, then 511 decoded targets,
+    # each appended (decode=keep)
+    c0, j = round(0.25 * 1536), np.arange(512)
+    assert k["kept_share_at_split"] == pytest.approx(np.mean((c0 + j) / (1536 + j)))
     with pytest.raises(Unsupported, match="reachable range"):  # below KIVI's own floor
         m.configure(shape, 0.2, None)
     m = build_method("compose", evict="snapkv", codec="kivi", split=0.125)
     m.set_regime(Regime("prefill", 1536, 511))
-    # SnapKV keeps at least W + 1 = 33 tokens: 16 * 33 / 1536 = 0.34 while they sit in KIVI's window
-    with pytest.raises(Unsupported, match=r"unreachable in this regime .* reachable \[0\.34"):
-        m.configure(shape, 0.32, None)
+    # decode=keep: at least W + 1 = 33 prompt tokens and every decoded one are read, the last 128 at fp16
+    with pytest.raises(Unsupported, match=r"unreachable in this regime .* reachable \[0\.957"):
+        m.configure(shape, 0.9, None)
+    # decode=evict holds the budget while decoding: the same target is reachable
+    m = build_method("compose", evict="snapkv", codec="kivi", split=0.125, evict_options={"decode": "evict"})
+    m.set_regime(Regime("prefill", 1536, 511))
+    m.configure(shape, 0.9, None)
+    assert m.knobs()["predicted_bpd_kv"] == pytest.approx(0.9, rel=2e-3)
+    assert m.knobs()["evict_knobs"]["decode"] == "evict"
 
 
 def test_predicted_bpd_equals_a_direct_computation():
@@ -178,7 +224,8 @@ def test_predicted_bpd_equals_a_direct_computation():
     m.configure(shape, 2.0, 4.0)
     bk, bv = m._codec.nominal_bpd(512)
     share = _h2o_qall_share(0.125, 512).mean()
-    assert m.predicted_bpd() == pytest.approx(((bk + 0.25) * share, (bv + 0.25) * share))
+    pos = _qall_position_bpd(0.125, 512, 64)
+    assert m.predicted_bpd() == pytest.approx(((bk + 0.25) * share + pos, (bv + 0.25) * share))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,13 +378,13 @@ def test_h2o_codec_one_pass_equals_token_by_token_decoding(model_and_stats, code
     assert bpd_one == pytest.approx(bpd_steps, abs=8 / (shape.n_kv_heads * shape.head_dim))
 
 
-@pytest.mark.parametrize("evict,codec,options,bpd", [
-    ("h2o", "cobra_kl", {}, 2.0), ("h2o", "kivi", KIVI, None),
-    ("snapkv", "kivi", KIVI, None), ("snapkv", "cobra_kl", {}, 2.0),
+@pytest.mark.parametrize("evict,codec,options,bpd,ev", [
+    ("h2o", "cobra_kl", {}, 2.0, {}), ("h2o", "kivi", KIVI, None, {}),
+    ("snapkv", "kivi", KIVI, None, SNAP), ("snapkv", "cobra_kl", {}, 2.0, SNAP),
+    ("snapkv", "kivi", KIVI, None, SNAP_EVICT), ("snapkv", "cobra_kl", {}, 2.0, SNAP_EVICT),
 ])
-def test_prefill_then_chunk_equals_prefill_then_steps(model_and_stats, evict, codec, options, bpd):
+def test_prefill_then_chunk_equals_prefill_then_steps(model_and_stats, evict, codec, options, bpd, ev):
     model, stats = model_and_stats
-    ev = SNAP if evict == "snapkv" else {}
     method = _method(model, stats, "compose", bpd, evict=evict, codec=codec, codec_options=options,
                      evict_options=ev, keep=0.4, regime=Regime("prefill", 50, 29))
     ids = _ids(3)
@@ -372,11 +419,10 @@ def test_keep_one_equals_the_codec_alone(model_and_stats, codec, options, bpd):
     assert torch.allclose(reads_c[0], reads_a[0]) and torch.allclose(reads_c[1], reads_a[1])
 
 
-@pytest.mark.parametrize("evict", ["h2o", "snapkv"])
-def test_an_exact_codec_equals_the_eviction_alone(model_and_stats, evict):
+@pytest.mark.parametrize("evict,ev", [("h2o", {}), ("snapkv", SNAP), ("snapkv", SNAP_EVICT)])
+def test_an_exact_codec_equals_the_eviction_alone(model_and_stats, evict, ev):
     model, stats = model_and_stats
     ids = _ids()
-    ev = SNAP if evict == "snapkv" else {}
     regime = Regime("prefill", 50, 29)
     comp = _method(model, stats, "compose", evict=evict, codec="fp16", evict_options=ev, keep=0.3, regime=regime)
     alone = comp._evictor
@@ -414,7 +460,8 @@ def test_stored_bits_are_kept_share_times_codec_bits_plus_scores(model_and_stats
     hkv = model_shape(model).n_kv_heads
     assert 0 < min(held) < T
     for n, (bk, bv, _), (ak, av, _) in zip(held, got, alone_bits):
-        assert bk == round(n * ak / T) + n * hkv * 16
+        # KV-COBRA keys are pre-RoPE: the held positions are stored too (§12.3)
+        assert bk == round(n * ak / T) + n * hkv * 16 + hkv * naive_position_bits(n, T)
         assert bv == round(n * av / T) + n * hkv * 16
 
 
@@ -423,13 +470,17 @@ def test_read_bits_mean_over_positions_equals_a_direct_computation(model_and_sta
     shape = model_shape(model)
     d = shape.head_dim
     ids = _ids(11)
-    # H2O + KV-COBRA, Q-all: held_p (codec bpd + 16/d) / (p + 1) at every position p
+    # H2O + KV-COBRA, Q-all: held_p (codec bpd + 16/d) / (p + 1) at every position p, and the
+    # stored positions of the held keys (pre-RoPE)
     comp = _method(model, stats, "compose", 1.0, 1.0, codec="cobra_kl", keep=0.25)
     _, _, _, _, (rk, rv) = _qall(model, comp, ids)
     bk, bv = comp._codec.nominal_bpd(T)
     share = torch.tensor(_h2o_qall_share(0.25, T))
+    held = _h2o_qall_held(0.25, T)
+    pos = torch.tensor([naive_position_bits(int(n), p + 1) / ((p + 1) * d) for p, n in enumerate(held)])
+    assert pos.max() > 0
     tol = 8 * shape.n_layers / (shape.n_heads_total * d * T)  # < 8 padding bits per layer and call
-    assert torch.allclose(rk, share * (bk + 16 / d), atol=tol)
+    assert torch.allclose(rk, share * (bk + 16 / d) + pos, atol=tol)
     assert torch.allclose(rv, share * (bv + 16 / d), atol=tol)
     # SnapKV + KIVI, prefill-exact: KIVI's §2.3 rule on the kept sequence of C + i + 1 tokens
     comp = _method(model, stats, "compose", evict="snapkv", codec="kivi", codec_options=KIVI,
@@ -506,3 +557,150 @@ def test_h2o_cobra_one_pass_equals_decoding_on_smollm2(smollm2):
         in_pass, steps = _in_pass_and_steps(model, method, ids[1024:1280][None])
     assert in_pass.dtype == torch.float64
     assert (in_pass - steps).abs().max() < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# positions of held tokens under a pre-RoPE codec (METHODS.md §12.3)
+
+
+@pytest.mark.parametrize("n_seen", [2, 100, 256, 257, 1536, 2048, 2049, 70_000])
+def test_kept_positions_decode_exactly_and_count_the_cheaper_encoding(n_seen):
+    gen = torch.Generator().manual_seed(n_seen)
+    for kept in sorted({1, n_seen // 40 + 1, n_seen // 16, n_seen // 3, n_seen - 1, n_seen} - {0}):
+        pos = torch.stack([torch.randperm(n_seen, generator=gen)[:kept].sort().values for _ in range(6)])
+        pos = pos.view(2, 3, kept)
+        if kept == n_seen:
+            pos = torch.arange(n_seen).expand(2, 3, n_seen)
+        stored = KeptPositions(pos, n_seen)
+        kind, bits = naive_position_encoding(kept, n_seen)
+        assert torch.equal(stored.positions(), pos)
+        assert stored.kind == kind and stored.bits() == 6 * bits
+        assert float(position_bits(torch.tensor(kept), torch.tensor(n_seen))) == bits
+    assert KeptPositions(torch.tensor([[[0, 5, 9]]]), 4096).kind == "positions"  # 3 x 12 bits < 512
+
+
+def test_pre_rope_compositions_store_positions_post_rope_ones_do_not(model_and_stats):
+    """H2O at keep = 0.25 in Q-all: KV-COBRA (pre-RoPE keys) stores the held positions, counted on
+    the key side, in the stored form the eviction's kept set decodes to; KIVI and FP16 (post-RoPE)
+    store none."""
+    model, stats = model_and_stats
+    ids = _ids(5)
+    hkv = model_shape(model).n_kv_heads
+    for codec, options, bpd, stores in (("cobra_kl", {}, 1.0, True), ("kqsvd", {}, 2.0, True),
+                                        ("kivi", KIVI, None, False), ("fp16", {}, None, False)):
+        comp = _method(model, stats, "compose", bpd, codec=codec, codec_options=options, keep=0.25)
+        assert comp.knobs().get("positions", "none") == ("stored" if stores else "none")
+        c = attach(model, comp)
+        try:
+            with torch.no_grad(), c.session():
+                c.forward(ids, 0, prefill=False)
+                states = list(c.states)
+        finally:
+            c.detach()
+        for st in states:
+            n = st.n_kept
+            assert n < T
+            if not stores:
+                assert getattr(st, "position_bits", lambda: 0)() == 0
+                continue
+            assert st.position_bits() == hkv * naive_position_bits(n, T)
+            assert torch.equal(st._positions.positions(), st.evict.kept_positions())
+
+
+def test_prefill_rotation_reads_the_stored_positions(model_and_stats, monkeypatch):
+    """compose(snapkv, kqsvd) after an exact prefill: the kept keys are decoded and rotated at the
+    positions the cache stores (``KeptPositions.positions``), which are SnapKV's kept ones."""
+    model, stats = model_and_stats
+    comp = _method(model, stats, "compose", 2.0, evict="snapkv", codec="kqsvd", evict_options=SNAP,
+                   keep=0.3, regime=Regime("prefill", 50, 29))
+    calls = []
+    decode = KeptPositions.positions
+
+    def spy(self):
+        out = decode(self)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(KeptPositions, "positions", spy)
+    _, pre, _, _, states = _track_b(model, comp, _ids(2))
+    assert len(calls) == len(states)  # one decode of the stored positions per layer's prefill
+    c0 = round(0.3 * 50)
+    hkv = model_shape(model).n_kv_heads
+    for pos, st in zip(calls, states):
+        assert pos.shape[-1] == c0 and st.position_bits() == hkv * naive_position_bits(st.n_kept, st.n_seen)
+    for st in states:  # the key side carries them
+        ck, cv = st.codec_token_bits()
+        assert st.stored_bits() == (round(st.n_kept * ck) + st.position_bits(), round(st.n_kept * cv))
+
+
+@pytest.mark.parametrize("evict,ev,bpd", [
+    ("h2o", {}, 2.0), ("snapkv", SNAP_EVICT, 2.0), ("snapkv", SNAP, 4.0),
+])
+def test_fitted_pre_rope_budget_is_met_in_the_prefill_regime(model_and_stats, evict, ev, bpd):
+    """compose(·, KV-COBRA) fitted to bpd_KV in a 400-token prefill + 99 decoded regime: the
+    measured headline, the mean over the 100 scored reads (the prefill's own prediction at the
+    end-of-prefill figure, then the decoded ones, METHODS.md §0 v3), positions included, is the
+    prediction and the target within 2%."""
+    model, stats = model_and_stats
+    p, n = 400, 99
+    comp = _method(model, stats, "compose", bpd, evict=evict, codec="cobra_kl", evict_options=ev,
+                   regime=Regime("prefill", p, n))
+    k = comp.knobs()
+    assert k["fitted"] and k["positions"] == "stored" and k["predicted_positions_bpd_k"] > 0
+    ids = torch.randint(0, 128, (1, p + n), generator=torch.Generator().manual_seed(4))
+    c = attach(model, comp)
+    try:
+        with torch.no_grad(), c.session():
+            c.forward(ids[:, :p], 0, prefill=True)
+            first = c.measured_bpd()
+            c.forward(ids[:, p:], p, prefill=False)
+            rk, rv = c.read_bpd()
+    finally:
+        c.detach()
+    mk, mv = (first[0] + float(rk.sum())) / (n + 1), (first[1] + float(rv.sum())) / (n + 1)
+    assert mk == pytest.approx(k["predicted_bpd_k"], rel=1e-3)
+    assert mv == pytest.approx(k["predicted_bpd_v"], rel=1e-3)
+    assert (mk + mv) / 2 == pytest.approx(bpd, rel=0.02)
+
+
+def test_snapkv_evict_drops_the_codes_of_evicted_tokens(model_and_stats):
+    """compose(snapkv with decode=evict, ·): the re-selections evict held tokens; a token-wise
+    codec's bits follow the held count, KIVI's follow its rules on the held arrivals (§2.3 on the
+    arrival index: the kept prompt in position order, then every decoded token), counted here from
+    SnapKV's kept positions alone."""
+    model, stats = model_and_stats
+    shape = model_shape(model)
+    hkv, d = shape.n_kv_heads, shape.head_dim
+    ids = _ids(6)
+    regime = Regime("prefill", 50, 29)
+    comp = _method(model, stats, "compose", evict="snapkv", codec="kivi", codec_options=KIVI,
+                   evict_options=SNAP_EVICT, keep=0.4, regime=regime)
+    _, _, _, _, states = _track_b(model, comp, ids)
+    snap = comp._evictor
+    c0 = snap.capacity_for(50)
+    r, gk, b = KIVI["residual"], KIVI["group"], KIVI["bits"]
+    per_qv = KIVI["v_bits"] * d + (d // KIVI["v_group"]) * 32
+    for st in states:
+        assert isinstance(st, KiviComposedState)
+        pos = st.evict.kept_positions()[0]  # [H, n]
+        n_arr = c0 + T - 50  # _track_b decodes the T - 50 tokens after the prefill
+        assert pos.shape[-1] == snap.held_counts(50, T - 50)[-1] < n_arr  # evicted while decoding
+        prompt = st.evict.kept_prompt_positions()[0]
+        bits_k = bits_v = 0
+        for h in range(hkv):
+            rank = {int(x): i for i, x in enumerate(prompt[h].tolist())}
+            arr = [rank[x] if x < 50 else x - 50 + c0 for x in pos[h].tolist()]
+            flushed = r * (n_arr // r)
+            qk = [a for a in arr if a < flushed]
+            bits_k += len(qk) * b * d + (len(arr) - len(qk)) * 16 * d + len({a // gk for a in qk}) * 32 * d
+            qv = [a for a in arr if a < n_arr - r]
+            bits_v += len(qv) * per_qv + (len(arr) - len(qv)) * 16 * d
+        assert st.stored_bits() == (bits_k, bits_v)
+    comp = _method(model, stats, "compose", 2.0, evict="snapkv", codec="cobra_kl", evict_options=SNAP_EVICT,
+                   keep=0.4, regime=regime)
+    _, _, _, _, states = _track_b(model, comp, ids)
+    for st in states:
+        ck, cv = st.codec_token_bits()
+        n = st.n_kept
+        assert n < c0 + T - 50 and st._encoded == c0 + T - 50  # every token encoded on arrival
+        assert st.stored_bits() == (round(n * ck) + st.position_bits(), round(n * cv))

@@ -81,9 +81,27 @@ def test_report_marks_the_front_and_says_where_a_composition_is_on_it(tmp_path):
     assert "**100.00 @ 1** ◆" in rows["H2O"] and "105.00 @ 1 |" in rows["SnapKV∘KIVI"]
     assert "unsupported | unsupported | **70.00 @ 2.1†** ◆" in rows["KIVI"]
     assert "| FP16 | reference | 55.00 @ 16" in text
-    assert "- bpd_KV 0.5: best SnapKV∘KIVI (120.00 @ 0.5); a composition on the front: yes: SnapKV∘KIVI." in text
-    assert "- bpd_KV 1: best H2O (100.00 @ 1); a composition on the front: no." in text
+    assert ("- bpd_KV 0.5: best SnapKV∘KIVI (120.00 @ 0.5), ahead of H2O by 30.00 (one seed on a "
+            "side: no seed spread to compare); a composition on the front: yes: SnapKV∘KIVI.") in text
+    assert "- bpd_KV 1: best H2O (100.00 @ 1), ahead of SnapKV∘KIVI by 5.00 (one seed" in text
     assert "- bpd_KV 2: best KIVI" in text
+
+
+@pytest.mark.parametrize("h2o_ppl,verdict", [
+    ((98.0, 102.0), "which exceeds the seed spread"),       # H2O 100 ± 2.8 vs 110 ± 2.8
+    ((92.0, 108.0), "which does not exceed the seed spread"),  # H2O 100 ± 11.3
+])
+def test_margin_against_the_seed_spread(tmp_path, h2o_ppl, verdict):
+    """The best line at a budget is compared with the runner-up: the margin exceeds the seed
+    spread when the means differ by more than the sum of the two seed std's."""
+    for seed, (h, c) in enumerate(zip(h2o_ppl, (108.0, 112.0))):
+        write_run(tmp_path, f"h2o_{seed}", model="smollm2_135m", method="h2o", k=1.0, v=1.0,
+                  seed=seed, ppl={"ptb": h}, experiment="frontier")
+        write_run(tmp_path, f"kv_{seed}", model="smollm2_135m", method="cobra_kl", k=1.0, v=1.0,
+                  seed=seed, ppl={"ptb": c}, experiment="frontier")
+    text, _ = frontier_report(load_runs_dir(tmp_path), ["ppl_ptb"], None)
+    line = next(x for x in text.splitlines() if x.startswith("- bpd_KV 1:"))
+    assert "best H2O (100.00 @ 1), ahead of KV-COBRA-KL by 10.00" in line and verdict in line
 
 
 def test_off_target_points_carry_a_dagger(tmp_path):

@@ -12,6 +12,8 @@ from methods.groupquant import (
     quantize_groups,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def _x(shape, seed=0):
     g = torch.Generator().manual_seed(seed)

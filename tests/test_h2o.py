@@ -10,7 +10,7 @@ from methods.base import ModelShape, Regime, Unsupported
 from methods.h2o import H2O, H2OLayerState
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
 
 
 def softmax(x):

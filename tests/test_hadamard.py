@@ -12,6 +12,8 @@ from methods.hadamard import (
     sylvester,
 )
 
+pytestmark = pytest.mark.numerics
+
 SUPPORTED = [n for n in range(1, 257) if hadamard_factor(n) is not None]
 
 

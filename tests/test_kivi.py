@@ -11,6 +11,8 @@ from methods.base import ModelShape, Unsupported
 from methods.groupquant import fake_quantize_groups
 from methods.kivi import Kivi, kivi_bpd
 
+pytestmark = pytest.mark.numerics
+
 B, HKV, HQ, D = 1, 2, 4, 16
 SCALING = 1 / math.sqrt(D)
 
@@ -172,25 +174,26 @@ SHAPE = ModelShape(n_layers=2, n_q_heads=32, n_kv_heads=8, head_dim=128)
      (4.25, (4, 128)), (5.0, (4, 32)), (16.0, (8, 32)), (1.25, (1, 128))],
 )
 def test_configure_mapping(target, expected):
-    m = Kivi()
+    m = Kivi(budget="nominal")
     m.configure(SHAPE, target, None)
     kn = m.knobs()
     assert (kn["bits"], kn["group"]) == expected
     assert kn["v_bits"] is None and m.nominal_bpd(2048)[1] == 16.0
+    assert (kn["residual"], kn["budget"], kn["fitted"]) == (128, "nominal", False)
 
 
 @pytest.mark.parametrize("target", [1.0, 0.5, 1.2])
 def test_unreachable_targets(target):
     with pytest.raises(Unsupported, match="1.25"):
-        Kivi().configure(SHAPE, target, None)
+        Kivi(budget="nominal").configure(SHAPE, target, None)
 
 
 def test_value_mapping_respects_head_dim_and_overrides():
-    m = Kivi()
+    m = Kivi(budget="nominal")
     m.configure(ModelShape(1, 9, 3, 64), 3.0, 2.5)  # values: G <= d = 64
     assert m.knobs()["v_bits"] == 2 and m.knobs()["v_group"] == 64
     with pytest.raises(Unsupported, match="1.5"):  # floor for values at d=64: 1 + 32/64
-        Kivi().configure(ModelShape(1, 9, 3, 64), 3.0, 1.25)
+        Kivi(budget="nominal").configure(ModelShape(1, 9, 3, 64), 3.0, 1.25)
     m = Kivi(bits=4)
     m.configure(SHAPE, 4.4, None)
     assert (m.knobs()["bits"], m.knobs()["group"]) == (4, 128)
@@ -205,3 +208,177 @@ def test_value_mapping_respects_head_dim_and_overrides():
 def test_registry_builds_kivi():
     m = build_method("kivi", bits=2, residual=32)
     assert isinstance(m, Kivi) and m.name == "kivi" and not m.needs_calibration
+
+
+# ---- budget="measured": (b, G, R) fitted to the measured headline of the job's regime ---------
+
+from methods.base import Regime  # noqa: E402
+from methods.kivi import FIT_BITS, headline_bpd, residual_grid  # noqa: E402
+
+QALL = Regime("qall", 2048)
+TRACK_B = Regime("prefill", 1536, 511)  # PPL track B: the prefill's prediction + 511 decoded
+
+
+def naive_headline(bits, group, residual, regime, side, d=128):
+    """METHODS.md §0 v3 / §2.3 counted bit by bit, one scored position at a time: codes of b bits,
+    a 16-bit scale and a 16-bit minimum per group of G, 16 bits per full-precision element."""
+    def held(n, quant):  # bits of one channel (keys) or one token row's share (values), per element
+        if side == "k":  # quant tokens of one channel in quant / G groups, the rest fp16
+            return (quant * bits + (quant // group) * 32 + (n - quant) * 16) / n
+        return (quant * (d * bits + (d // group) * 32) / d + (n - quant) * 16) / n
+
+    if regime.kind == "qall":
+        positions = list(range(regime.tokens))
+        first = []
+    else:
+        p0 = regime.tokens
+        positions = list(range(p0, p0 + regime.decode))
+        stored = residual * (p0 // residual) if side == "k" else max(0, p0 - residual)
+        first = [held(p0, stored)]  # the prefill's own prediction reads the stored prompt
+    reads = [held(p + 1, residual * (p // residual) if side == "k" else max(0, p - residual))
+             for p in positions]
+    out = first + reads
+    return sum(out) / len(out)
+
+
+@pytest.mark.parametrize("regime", [QALL, TRACK_B, Regime("prefill", 300, 0), Regime("qall", 100)], ids=str)
+@pytest.mark.parametrize("point", [(2, 32, 128), (1, 64, 64), (3, 128, 128), (8, 32, 96)])
+def test_headline_prediction_counts_every_bit(regime, point):
+    for side in ("k", "v"):
+        assert headline_bpd(*point, regime, side) == pytest.approx(naive_headline(*point, regime, side), abs=1e-12)
+    # no decoded positions: the end-of-prefill figure, the §2.4 formula
+    if regime.kind == "prefill" and regime.decode == 0:
+        b, g, r = point
+        assert headline_bpd(b, g, r, regime, "k") == pytest.approx(kivi_bpd(300, b, g, 300 % r), abs=1e-12)
+
+
+def _measure(state_method, regime, d=64, seed=0):
+    """The headline a KIVI layer state reports in ``regime`` on random inputs: Q-all, one pass;
+    else an exact prefill (its prediction counted at the stored prompt) then one decode chunk."""
+    n = regime.tokens + (regime.decode if regime.kind == "prefill" else 0)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for h in (2, 1, 1))
+    st = state_method.new_layer_state(0)
+    if regime.kind == "qall":
+        st.attend(q, k, v, scaling=d**-0.5, prefill=False)
+        bk, bv = st.read_bits()
+        held = torch.arange(1, n + 1, dtype=torch.float64) * d
+        return float((bk / held).mean()), float((bv / held).mean())
+    p = regime.tokens
+    st.attend(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling=d**-0.5, prefill=True)
+    ek, ev = (x / (p * d) for x in st.stored_bits())
+    st.attend(q[:, :, p:], k[:, :, p:], v[:, :, p:], scaling=d**-0.5, prefill=False)
+    bk, bv = st.read_bits()
+    held = torch.arange(p + 1, n + 1, dtype=torch.float64) * d
+    return (float((ek + (bk / held).sum()) / (1 + regime.decode)),
+            float((ev + (bv / held).sum()) / (1 + regime.decode)))
+
+
+FIT_CASES = [(QALL, 4.0, None), (QALL, 6.0, None), (QALL, 5.0, 5.0), (QALL, 8.0, 8.0),
+             (TRACK_B, 2.0, None), (TRACK_B, 3.0, None), (TRACK_B, 3.0, 3.0), (TRACK_B, 4.0, 4.0),
+             (TRACK_B, 2.0, 4.0), (QALL, 6.0, 4.0)]
+
+
+@pytest.mark.parametrize("regime,bpd,v_bpd", FIT_CASES, ids=str)
+def test_fit_meets_the_measured_target(regime, bpd, v_bpd):
+    m = Kivi()
+    m.set_regime(regime)
+    m.configure(ModelShape(1, 2, 1, 64), bpd, v_bpd)
+    kn = m.knobs()
+    assert kn["budget"] == "measured" and kn["fitted"] and kn["fit"]["regime"]["kind"] == regime.kind
+    assert kn["bits"] in FIT_BITS and kn["residual"] in residual_grid() and kn["residual"] % kn["group"] == 0
+    mk, mv = _measure(m, regime)
+    assert abs(mk - bpd) <= 0.02 * bpd  # the state's own reads, within the band
+    assert mk == pytest.approx(kn["fit"]["predicted_bpd_k"], abs=1e-9)
+    if v_bpd is None:
+        assert kn["v_bits"] is None and mv == 16.0
+    else:
+        assert abs(mv - v_bpd) <= 0.02 * v_bpd
+        assert mv == pytest.approx(kn["fit"]["predicted_bpd_v"], abs=1e-9)
+    # nothing the preference ranks higher is in the band (more key bits, then a larger R)
+    for b in FIT_BITS:
+        for r in residual_grid():
+            for grp in (32, 64, 128):
+                if r % grp == 0 and (b, r) > (kn["bits"], kn["residual"]) and v_bpd is None:
+                    assert abs(naive_headline(b, grp, r, regime, "k") - bpd) > 0.02 * bpd
+
+
+def test_fit_prefers_more_bits_then_the_larger_window():
+    # Q-all at 2048, target 5: (3, 32, 64) measures 5.004 and (3, 128, 128) 5.099, both in the band
+    m = Kivi()
+    m.configure(SHAPE, 5.0, None)
+    assert (m.knobs()["bits"], m.knobs()["group"], m.knobs()["residual"]) == (3, 128, 128)
+    assert naive_headline(3, 32, 64, QALL, "k") == pytest.approx(5.004, abs=1e-3)
+
+
+def test_fit_end_to_end_on_the_tiny_model():
+    """Through the harness: the headline of a Q-all pass and of a track-B score equals the fit's
+    prediction and lies within 2% of the target (tiny Llama, head_dim 64, random tokens)."""
+    from conftest import tiny_llama
+    from kvbench.compressed_lm import CompressedLM
+    from kvbench.integrate import attach, model_shape
+
+    model = tiny_llama(head_dim=64)
+    ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(3))
+    for regime, bpd, v_bpd in ((Regime("qall", 1024), 4.0, None), (Regime("qall", 1024), 5.25, 5.25),
+                               (Regime("prefill", 768, 255), 3.0, 3.0)):
+        m = Kivi()
+        m.set_regime(regime)
+        m.configure(model_shape(model), bpd, v_bpd)
+        lm = CompressedLM(model, None, attach(model, m))
+        try:
+            if regime.kind == "qall":
+                lm.logits(ids)
+            else:
+                lm.score(ids[:, :768], ids[:, 768:])
+        finally:
+            lm.compressor.detach()
+        mk, mv = lm.readings[-1].mean
+        assert lm.readings[-1].positions == (1024 if regime.kind == "qall" else 256)
+        assert mk == pytest.approx(m.knobs()["fit"]["predicted_bpd_k"], abs=1e-9)
+        assert abs(mk - bpd) <= 0.02 * bpd
+        assert (mv == 16.0) if v_bpd is None else abs(mv - v_bpd) <= 0.02 * v_bpd
+
+
+@pytest.mark.parametrize("regime,target,match", [
+    (QALL, 2.0, r"reachable range \[2\.67, 10\.01\]"),     # below every grid point in Q-all
+    (QALL, 1.0, r"reachable range \[2\.67, 10\.01\]"),
+    (TRACK_B, 1.0, r"reachable range \[1\.76, 9\.25\]"),
+    (QALL, 3.0, r"nearest 2\.714 at \(b=1, G=64, R=64\), 3\.172 at \(b=1, G=32, R=64\)"),  # a gap
+])
+def test_fit_unsupported_names_the_reachable_range(regime, target, match):
+    m = Kivi()
+    m.set_regime(regime)
+    with pytest.raises(Unsupported, match=match):
+        m.configure(SHAPE, target, None)
+
+
+def test_no_shared_window_is_unsupported():
+    # track B at 2/2: keys reach 2 only at R = 128, values only at R = 64 (KIVI shares one R)
+    m = Kivi()
+    m.set_regime(TRACK_B)
+    with pytest.raises(Unsupported, match=r"only at R in \[128\].*only at R in \[64\]"):
+        m.configure(ModelShape(1, 9, 3, 64), 2.0, 2.0)
+
+
+def test_explicit_knobs_run_as_set_and_say_so():
+    m = Kivi(bits=2, group=32, residual=128)  # the paper's setting
+    m.configure(SHAPE, 4.0, None)
+    kn = m.knobs()
+    assert (kn["bits"], kn["group"], kn["residual"], kn["fitted"]) == (2, 32, 128, False)
+    assert "explicit knobs" in kn["not_fitted"] and "residual=128" in kn["not_fitted"]
+    assert kn["predicted"]["bpd_k"] == pytest.approx(4.8848, abs=1e-4)  # METHODS.md §0's example
+    m = Kivi(residual=32)  # one knob given: the others mapped as budget=nominal maps them
+    m.configure(SHAPE, 4.0, None)
+    assert (m.knobs()["bits"], m.knobs()["group"], m.knobs()["fitted"]) == (3, 32, False)
+    m = Kivi()
+    m.configure(SHAPE, None, None)  # no target: KIVI-2
+    assert (m.knobs()["bits"], m.knobs()["group"], m.knobs()["residual"], m.knobs()["fitted"]) == (2, 32, 128, False)
+
+
+def test_budget_option_is_validated():
+    with pytest.raises(ValueError, match="measured"):
+        Kivi(budget="mean")
+    with pytest.raises(ValueError, match="residual"):
+        Kivi(residual=0)
+    assert build_method("kivi", budget="nominal").budget == "nominal"

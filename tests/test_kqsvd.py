@@ -9,6 +9,8 @@ from methods.base import LayerStats, ModelShape, Rope, Unsupported, apply_rope
 from methods.gaussquant import optimal_step
 from methods.kqsvd import KQSVD, candidates, cholesky_ridge, kq_factors
 
+pytestmark = pytest.mark.numerics
+
 F64 = torch.float64
 SHAPE = ModelShape(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32)
 

@@ -14,6 +14,8 @@ from methods.quantizer import (
     quantize_per_channel_symmetric,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def _inputs(seed=0):
     rng = np.random.default_rng(seed)

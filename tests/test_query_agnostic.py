@@ -11,6 +11,8 @@ from kvbench.compressed_lm import PREFILL, CompressedLM
 from kvbench.evals import query_split as qs
 from tests.conftest import configured_method, tiny_llama
 
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture
 def tiny64():
@@ -48,13 +50,15 @@ def test_fp16_two_stage_logits_match(tiny64):
 
 def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monkeypatch):
     """Context: one exact prefill (then compressed); question: one multi-token decode-semantics pass;
-    then one token per step. The headline bpd is the cache at the end of the context prefill."""
+    then one token per step. The headline bpd is the mean over the generated tokens of what each
+    prediction read (the first: the question chunk's last position); the end of the context
+    prefill is kept beside it."""
     from kvbench.integrate import Compressor, attach
 
     model = tiny_llama(seed=1)
     method = configured_method(model, "h2o", {}, 8.0, None, None)
     comp = attach(model, method)
-    calls, ends = [], []
+    calls, ends, last_reads = [], [], []
     real = Compressor.forward
 
     def spy(self, input_ids, start, prefill, last=0):
@@ -62,6 +66,9 @@ def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monke
         calls.append((input_ids.shape[1], start, prefill))
         if prefill:
             ends.append(self.measured_bpd())
+        else:  # what the pass's last query read: the one that predicts the next token
+            k, v = self.read_bpd()
+            last_reads.append((float(k[-1]), float(v[-1])))
         return out
 
     monkeypatch.setattr(Compressor, "forward", spy)
@@ -76,8 +83,11 @@ def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monke
     assert all(c[0] == 1 and not c[2] for c in calls[2:]) and len(calls) == 1 + len(new)
     reading = lm.readings[-1]
     assert reading.regime == PREFILL
-    assert reading.mean == pytest.approx(ends[0])
-    assert reading.decode_mean is not None and reading.positions == 14 + len(new) - 1
+    assert reading.prefill_end == pytest.approx(ends[0])
+    assert reading.positions == len(new) == len(last_reads)
+    expected = tuple(sum(r[i] for r in last_reads) / len(last_reads) for i in (0, 1))
+    assert reading.mean == pytest.approx(expected)
+    assert reading.mean != pytest.approx(ends[0])  # H2O's fixed cache: each later query reads less
 
 
 def test_split_rejects_bad_context_length(tiny64):

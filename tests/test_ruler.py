@@ -119,6 +119,54 @@ def test_items_fixed_by_item_seed_and_cap(tok):
     assert _generate(tok, "niah_single_1", n_samples=1, item_seed=5)[0]["input"] != one[0]["input"]
     cwe = [_generate(tok, "cwe", length=1024)[0] for _ in range(2)]
     assert cwe[0] == cwe[1]  # cwe's module-level RNG is reset per call
+    assert _generate(tok, "cwe", length=1024, item_seed=5)[0]["input"] != cwe[0]["input"]
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "vt", "cwe"])  # random; numpy; and cwe's own RNG
+def test_default_items_are_lm_evals_own(tok, task):
+    """Without item_seed, the first N items are those lm-eval's own run of the task scores with
+    ``--limit N``: ``simple_evaluate`` with its default seeds on lm-eval's own task files (its own
+    tokenizer loading, nothing patched), at one small length; an item_seed gives other items."""
+    from lm_eval.api.model import LM
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from kvbench.models import smollm2_checkpoint
+
+    class NoGeneration(LM):
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+        def generate_until(self, requests):
+            return [""] * len(requests)
+
+    R.ensure_punkt()
+    name, length, n = R.RULER_TASKS[task].lm_eval_name, 1024, 3
+    manager = TaskManager(include_path=str(R.lm_eval_ruler_dir()), include_defaults=False,
+                          metadata={"tokenizer": str(smollm2_checkpoint()), "max_seq_lengths": [length]})
+    out = simple_evaluate(model=NoGeneration(), tasks=[name], limit=n, task_manager=manager,
+                          log_samples=True, bootstrap_iters=0)
+    theirs = [s["doc"] for s in out["samples"][name]]
+    ours = list(_generate(tok, task, length=length, n_samples=n))
+    assert len(theirs) == n and ours == theirs
+    seeded = list(_generate(tok, task, length=length, n_samples=n, item_seed=0))
+    assert [d["input"] for d in seeded] != [d["input"] for d in ours]
+
+
+def test_offline_essay_haystack_is_the_evaluation_part_of_wiki_proxy():
+    from kvbench.data.text import wiki_proxy_text
+
+    words = R.essay_haystack(R.RulerData(None, offline=True))
+    assert words == R._haystack_words(wiki_proxy_text("test"))  # never wiki_proxy's calibration part
+
+
+def test_item_seed_is_null_or_an_integer():
+    assert R.check_item_seed(None) is None and R.check_item_seed(3) == 3
+    with pytest.raises(ValueError, match="null .* or an integer"):
+        R.check_item_seed("3")
 
 
 def test_squad_standin_structure():
@@ -170,6 +218,25 @@ def test_offline_run_completes_without_network(offline_run):
     assert all(0 <= v <= 100 for v in scores.values())
     assert out["avg"] == pytest.approx(sum(scores[t] for t in out["tasks"]) / 12, abs=0.01)
     assert out["counts"] == {t: {"1024": 1} for t in out["tasks"]}
+    assert out["items"] == "lm-eval" and out["item_seed"] is None  # lm-eval's own items, recorded
+
+
+def test_limit_is_per_task_and_length(tok, no_network):
+    """limit=N scores N items at every length (lm-eval's own --limit would take the first N of the
+    task's dataset, all of the first length)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.compressed_lm import CompressedLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    out = R.evaluate_ruler(CompressedLM(model, tok), tasks=["vt"], lengths=[1024, 1536], limit=1)
+    assert out["counts"] == {"vt": {"1024": 1, "1536": 1}}
+    assert set(out["by_length"]) == {"1024", "1536"} and "vt" in out["by_length"]["1536"]
 
 
 def test_offline_run_records(offline_run):
@@ -210,12 +277,16 @@ def test_job_dispatch(monkeypatch):
     result = {"bpd": {}, "metrics": {}, "counts": {}, "predictions": {}}
     job.run_tasks(cfg, CompressedLM(tiny_llama(), None), result)
     assert seen["tasks"] == ["vt"] and seen["lengths"] == [4096] and seen["limit"] == 1
-    assert seen["query_aware"] is False and seen["item_seed"] == 0 and seen["chat"] is True
+    assert seen["query_aware"] is False and seen["item_seed"] is None and seen["chat"] is True
     assert result["metrics"]["ruler_wiki"]["vt"] == 10.0
     assert result["predictions"]["ruler_wiki"] == [{"task": "vt"}]
     assert result["counts"]["ruler_wiki_items"] == {"vt": {"4096": 1}}
     job.run_tasks(aware, CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
     assert seen["query_aware"] is True and seen["tasks"] is None and seen["limit"] == 5
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        seeded = compose("config", overrides=["method=fp16", "tasks=[ruler]", "task.ruler.item_seed=7"])
+    job.run_tasks(seeded, CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
+    assert seen["item_seed"] == 7
 
 
 def test_squad_and_hotpot_files_are_read_by_lm_evals_readers(tmp_path, tok, no_network):

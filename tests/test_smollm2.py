@@ -20,7 +20,7 @@ from kvbench.calibrate import collect_stats
 from kvbench.integrate import attach, model_shape
 from methods import build_method
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 T = 256
 
 

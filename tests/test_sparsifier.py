@@ -18,7 +18,7 @@ from methods.sparsifier import (
 )
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
 
 
 def naive_select(scores, budget, recent):

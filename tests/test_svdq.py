@@ -11,6 +11,8 @@ from methods.base import LayerStats, ModelShape, Regime, Rope, Unsupported, appl
 from methods.groupquant import fake_quantize_groups
 from methods.svdq import GAUSS_MSE, PAPER_SCHEDULE, SVDq, greedy_schedule
 
+pytestmark = pytest.mark.numerics
+
 B, HKV, HQ = 1, 2, 4
 
 

@@ -2,7 +2,7 @@
 sweep through ``submitit_local`` that is killed part-way and rerun.
 
 The sweep test runs 2 methods × 2 budgets × 2 seeds of a tiny random Llama (saved to a tmp dir
-with SmolLM2's tokenizer): kivi (nothing random: seed 1 is skipped without a result) and kqsvd
+with SmolLM2's tokenizer): h2o (nothing random: seed 1 is skipped without a result) and kqsvd
 (calibrated: both seeds run). It kills the whole sweep (SIGKILL to its process group) as soon as
 the first result appears, reruns the same command, and checks that every job finished exactly
 once: results finished before the kill are byte-identical afterwards (a job run again rewrites
@@ -30,7 +30,8 @@ from kvbench.job import redundant_seed, run_job
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
-MAIN_METHODS = ["fp16", "kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o", "snapkv"]
+MAIN_METHODS = ["fp16", "kivi", "kvquant", "gear", "turboquant", "svdq", "kqsvd", "cobra_mse", "cobra_kl",
+                "h2o", "snapkv"]
 UNSEEDED = {"fp16", "kivi", "h2o", "snapkv"}
 
 
@@ -141,6 +142,43 @@ def test_main_experiments(experiment, models, seeds, model_name):
         assert cfg_of("experiment=main_table").task.ppl.datasets == ["wikitext2", "ptb", "c4"]
 
 
+def _row_key(c):
+    """(method, K-track or KV-track, the options a row sets beyond the method's defaults)."""
+    opts = {k: c.method[k] for k in ("decode", "joint_kv", "evict", "codec") if k in c.method}
+    if "evict_options" in c.method and c.method.evict_options:
+        opts["evict_decode"] = c.method.evict_options.get("decode")
+    track = "K" if c.v_bpd is None else ("KV" if c.v_bpd == c.bpd else c.v_bpd)
+    return c.method.name, track, tuple(sorted(opts.items()))
+
+
+def test_frontier_baselines_and_ruler_rows():
+    """Each row of the frontier, baselines and RULER experiments selects what its name says, at
+    every budget of the sweep (the budget comes from the sweep, never from the row)."""
+    frontier = {r: _row_key(c) for r, c in rows_of("frontier", "frontier_row", "bpd=2").items()}
+    assert frontier["snapkv"] == ("snapkv", "K", (("decode", "keep"),))  # eviction: v_bpd null, K and V
+    assert frontier["snapkv_evict"] == ("snapkv", "K", (("decode", "evict"),))
+    assert frontier["cobra_plus_kv"] == ("cobra_plus", "KV", (("joint_kv", True),))
+    assert frontier["snapkv_cobra_plus"][0] == "compose" and ("codec", "cobra_plus") in frontier["snapkv_cobra_plus"][2]
+    assert ("evict_decode", "evict") in frontier["snapkv_kivi"][2]
+    for m in ("kvquant", "gear", "turboquant", "kivi", "cobra_kl"):
+        key = f"{m}_kv" if f"{m}_kv" in frontier else m
+        assert frontier[key][:2] == (m, "KV")
+    cfg = cfg_of("experiment=frontier", hydra_cfg=True)
+    assert sweep_params(cfg)["seed"] == ["0", "1", "2"] and list(cfg.tasks) == ["ppl", "ruler"]
+    assert cfg.task.ppl.limit == 4 and cfg.task.ppl.track == "B"
+
+    baselines = {r: _row_key(c) for r, c in rows_of("baselines", "baseline_row", "bpd=4").items()}
+    methods = ["kivi", "kvquant", "gear", "turboquant", "kqsvd", "cobra_kl", "cobra_plus"]
+    assert {baselines[m][:2] for m in methods} == {(m, "K") for m in methods}
+    assert {baselines[f"{m}_kv"][:2] for m in methods} == {(m, "KV") for m in methods}
+    assert sweep_params(cfg_of("experiment=baselines", hydra_cfg=True))["bpd"] == ["1", "2", "4"]
+
+    ruler = rows_of("ruler_smoke", "ruler_row", "bpd=4")
+    assert all(c.bpd == 4 for r, c in ruler.items() if r != "fp16")
+    assert ruler["snapkv_evict"].method.decode == "evict" and ruler["snapkv"].method.decode == "keep"
+    assert sweep_params(cfg_of("experiment=ruler_smoke", hydra_cfg=True))["bpd"] == ["2", "4", "8"]
+
+
 ABLATION_ROWS = {  # (model, method, bpd, v_bpd, c2, rotation): the seed's ablation table
     ("llama3_8b", "cobra_kl", 1.0, 4.0, True, "hadamard"),
     ("llama3_8b", "cobra_kl", 2.0, 3.0, True, "hadamard"),
@@ -188,13 +226,13 @@ def test_launcher_presets_compose(launcher, target):
 
 # ---- a resumable sweep through submitit_local --------------------------------------------------
 
-# small and fast; calibration on PTB's small test split (only the mechanics are under test here)
+# small and fast; calibration on the wiki_proxy calibration part (only the mechanics are under test here)
 COMMON = [
     "tasks=[ppl]", "task.ppl.datasets=[ptb]", "task.ppl.seqlen=64", "limit=1",
-    "calibration.n_windows=2", "calibration.seqlen=64", "calibration.split=test", "wandb.mode=disabled",
+    "calibration.n_windows=2", "calibration.seqlen=64", "calibration.dataset=wiki_proxy", "wandb.mode=disabled",
     "model.name=tiny_llama", "model.embedded=false", "model.chat=false",
 ]
-JOBS = [(m, b, s) for m in ("kivi", "kqsvd") for b in ("2.0", "4.0") for s in ("0", "1")]
+JOBS = [(m, b, s) for m in ("h2o", "kqsvd") for b in ("7.0", "8.0") for s in ("0", "1")]
 
 
 def tiny_checkpoint(path: Path) -> Path:
@@ -234,10 +272,11 @@ def test_submitit_sweep_killed_and_rerun_runs_every_job_once(tmp_path):
     cmd = [
         sys.executable, "-m", "kvbench.run", "-m", "hydra/launcher=submitit_local",
         f"hydra.sweep.dir={sweep}", "hydra.launcher.timeout_min=10",
-        # the directory names only what the sweep varies: bpd=2.0,method=kivi,seed=0
+        # the directory names only what the sweep varies: bpd=7.0,method=h2o,seed=0
+        # (H2O holds its measured budget over 64 positions from 6.97 bpd up)
         "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(
             o.split("=")[0] for o in overrides) + "]",
-        "method=kivi,kqsvd", "bpd=2.0,4.0", "seed=0,1", *overrides,
+        "method=h2o,kqsvd", "bpd=7.0,8.0", "seed=0,1", *overrides,
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", KVBENCH_CACHE=str(tmp_path / "cache"))
@@ -250,7 +289,7 @@ def test_submitit_sweep_killed_and_rerun_runs_every_job_once(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the sweep and every job it started, mid-flight
         proc.wait()
     finished = {p.parent: p.read_bytes() for p in sweep.rglob("result.json")}
-    runs = [j for j in JOBS if not (j[0] == "kivi" and j[2] == "1")]
+    runs = [j for j in JOBS if not (j[0] == "h2o" and j[2] == "1")]
     assert 0 < len(finished) < len(runs), (
         f"not killed part-way ({len(finished)} finished):\n" + (tmp_path / "sweep1.log").read_text()[-3000:])
 
@@ -259,9 +298,9 @@ def test_submitit_sweep_killed_and_rerun_runs_every_job_once(tmp_path):
 
     for method, bpd, seed in JOBS:
         d = job_dir(sweep, method, bpd, seed)
-        if method == "kivi" and seed == "1":  # nothing random: no result, no run
+        if method == "h2o" and seed == "1":  # nothing random: no result, no run
             assert not (d / "result.json").exists()
-            assert log_count(d, "seed 1 skipped: kivi has nothing random") == 2
+            assert log_count(d, "seed 1 skipped: h2o has nothing random") == 2
             assert log_count(d, ": running in") == 0
             continue
         result = json.loads((d / "result.json").read_text())

@@ -7,23 +7,27 @@ stable answers; the median over repetitions is reported after a warm-up.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from methods import LayerStats, ModelShape, build_method
 
+log = logging.getLogger(__name__)
+
 # ---- sizes --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much work each section does. ``full`` follows issue 7; ``quick`` is for a laptop or CI;
-    ``smoke`` only checks that every row is produced (tests)."""
+    """How much work each section does. ``full`` is the benchmark; ``quick`` is for a laptop or
+    CI; ``smoke`` only checks that every row is produced (tests)."""
 
     name: str
     eval_seqlen: int  # §1: tokens per PPL track-A window
@@ -44,15 +48,85 @@ class Sizes:
     e2e_lengths: tuple = (4096, 8192, 16384, 32768)  # e2e: prompt lengths
     e2e_new_tokens: int = 64  # e2e: greedy tokens generated after each prompt
     e2e_layers_cpu: int | None = None  # e2e: llama3_8b_random layers on a CPU (None: all 32)
+    #: e2e on a CPU in float32 (no native bf16, :func:`cpu_dtype`): (layers, lengths, new tokens)
+    #: that replace the three above, or None to keep them
+    e2e_cpu_float32: tuple | None = None
 
 
 PRESETS = {
     "full": Sizes("full", 2048, 1, 3, 21, 32768, 2048, 3, 8192, 2, 1024, 3),
     "quick": Sizes("quick", 512, 1, 5, 9, 8192, 1024, 3, 2048, 1, 512, 2, zs_reps=2,
-                   e2e_lengths=(4096, 8192), e2e_new_tokens=16, e2e_layers_cpu=2),
+                   e2e_lengths=(4096, 8192), e2e_new_tokens=16, e2e_layers_cpu=2,
+                   e2e_cpu_float32=(1, (2048,), 16)),
     "smoke": Sizes("smoke", 48, 1, 1, 2, 256, 128, 1, 96, 2, 32, 1, ops_tokens=64, ops_decode_steps=4,
                    zs_requests=6, zs_reps=1, e2e_lengths=(64,), e2e_new_tokens=4, e2e_layers_cpu=1),
 }
+
+
+def e2e_sizes(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> Sizes:
+    """``sizes`` with the e2e fields of :attr:`Sizes.e2e_cpu_float32` when the e2e model runs in
+    float32 on a CPU (where a bf16 run would have been native, float32 is 2-3x slower; where it
+    would not, bf16 does not finish at all)."""
+    if device.type != "cpu" or dtype != torch.float32 or sizes.e2e_cpu_float32 is None:
+        return sizes
+    layers, lengths, new_tokens = sizes.e2e_cpu_float32
+    return replace(sizes, e2e_layers_cpu=layers, e2e_lengths=tuple(lengths), e2e_new_tokens=new_tokens)
+
+
+# ---- the dtype on a CPU ---------------------------------------------------------------------------
+
+#: set to 1 to take the no-native-bf16 branch of :func:`native_bf16` on any CPU (tests, and
+#: measuring the float32 presets on a machine that has native bf16)
+FORCE_NO_NATIVE_BF16 = "KVBENCH_FORCE_NO_NATIVE_BF16"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively, as PyTorch's oneDNN decides
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BW/VL/DQ on x86, BF16 on Arm);
+    False when ``KVBENCH_FORCE_NO_NATIVE_BF16=1``. Where it is False a bf16 matmul takes a
+    fallback path hundreds of times slower than float32 (a 1024x4096x4096 product: minutes
+    against about a second; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces it on an AVX-512 machine)."""
+    if _forced_no_bf16():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
+def _forced_no_bf16() -> bool:
+    return os.environ.get(FORCE_NO_NATIVE_BF16, "").strip() not in ("", "0")
+
+
+def cpu_dtype() -> torch.dtype:
+    """The dtype a CPU run uses where a GPU run uses bf16: bf16 where the CPU computes it
+    natively (:func:`native_bf16`), else float32."""
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def bench_dtype(name: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype of a bench model and why: ``auto`` (or None) is bf16 on CUDA and
+    :func:`cpu_dtype` on a CPU; an explicit name is taken as given (with a warning for bf16 on a
+    CPU without native bf16)."""
+    if name in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16, "bfloat16 (CUDA)"
+        if native_bf16():
+            return torch.bfloat16, "bfloat16 (native on this CPU)"
+        why = f"{FORCE_NO_NATIVE_BF16}=1" if _forced_no_bf16() else "this CPU has no native bf16"
+        return torch.float32, f"float32 ({why})"
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid choices: auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
+    if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
+        log.warning("bfloat16 on a CPU without native bf16: matmuls take a slow fallback path (auto: float32)")
+    return dtype, f"{name} (asked for)"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
 
 # ---- the methods and budgets benchmarked --------------------------------------------------------
 
@@ -88,7 +162,11 @@ def budget_label(bpd, v_bpd) -> str:
 
 
 def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=None, seed: int = 0):
-    """A configured (and, when needed, calibrated) method."""
+    """A configured (and, when needed, calibrated) method. KIVI maps its budget nominally here
+    (b + 32/G <= bpd, R = 128): the bench times and checks the codec at a fixed point, and its
+    measured-budget fit would refuse bpd 2 in the default Q-all regime."""
+    if name == "kivi":
+        options = {"budget": "nominal", **options}
     method = build_method(name, **options)
     method.configure(shape, bpd, v_bpd)
     if method.needs_calibration:
@@ -100,16 +178,21 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
 
 # ---- rows and verdicts ----------------------------------------------------------------------------
 
-_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b,
-        "finite": lambda a, b: True}  # "finite": PASS unless the value is NaN or infinite
+_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
 #: ``op`` of a row without a target: verdict INFO
 INFO = "info"
+#: ``op`` of a row whose only check is that the value is a number: MISS when it is NaN or
+#: infinite, INFO otherwise (a finite number is no evidence that a method works: never a PASS)
+FINITE = "finite"
 
 
 @dataclass
 class Row:
-    """One line of the table: a number, its target and the verdict (``op="info"``: no target,
-    verdict INFO; a non-finite value of a targeted row is a MISS)."""
+    """One line of the table: a number, its target and the verdict. PASS only against a target
+    that a broken method would miss (``<=``, ``<``, ``>=``); ``op="info"``: no target, verdict
+    INFO; ``op="finite"``: MISS for NaN or infinity, else INFO; a non-finite value of a targeted
+    row is a MISS, and so is a row whose measurement is not what its target is about
+    (``invalid``: the reason, e.g. a method that compressed nothing), whatever its value."""
 
     section: str
     name: str
@@ -122,14 +205,22 @@ class Row:
     shown: str = ""
     note: str = ""
     detail: dict = field(default_factory=dict)
+    invalid: str = ""
 
     def __post_init__(self):
         value = float(self.value)
         self.value = value
+        if self.op not in _OPS and self.op not in (INFO, FINITE):
+            raise ValueError(f"unknown row op {self.op!r}; valid choices: {', '.join([*_OPS, INFO, FINITE])}")
         if self.op == INFO:
             self.verdict = "INFO"
+        elif self.invalid:
+            self.verdict = "MISS"
+            self.note = f"{self.invalid}; {self.note}" if self.note else self.invalid
         elif not math.isfinite(value):
             self.verdict = "MISS"
+        elif self.op == FINITE:
+            self.verdict = "INFO"
         else:
             self.verdict = "PASS" if _OPS[self.op](value, self.target) else "MISS"
         if not self.shown:
@@ -139,8 +230,8 @@ class Row:
     def target_text(self) -> str:
         if self.op == INFO:
             return "-"
-        if self.op == "finite":
-            return "finite"
+        if self.op == FINITE:
+            return "finite (else INFO)"
         unit = "" if self.unit in ("x",) else self.unit
         suffix = "x" if self.unit == "x" else unit
         return f"{self.op} {self.target:g}{suffix}"

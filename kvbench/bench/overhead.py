@@ -4,8 +4,10 @@ For each method, the wall time of :func:`kvbench.ppl.window_nll` (track A: one t
 Q-all pass through the model with the method attached) on the same windows, divided by FP16's
 (the plain, unpatched model, as ``kvbench.run`` evaluates ``method=fp16``). Pairs FP16/method are
 interleaved and the median ratio of ``eval_reps`` pairs after a warm-up is the row. Targets: at
-most 1.15x for the codecs (KIVI, SVDq, KQ-SVD, KV-COBRA), at most 2x for H2O. Calibrated methods
-use statistics from §5's calibration pass, outside the timed region.
+most 1.15x for the codecs (KIVI, SVDq, KQ-SVD, KV-COBRA), at most 2x for H2O. A method whose
+perplexity is exactly FP16's compressed nothing (not attached, or a window shorter than what it
+keeps exact), so its time says nothing about its cost: that row is a MISS whatever the ratio.
+Calibrated methods use statistics from §5's calibration pass, outside the timed region.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=EVAL_CASES) -> list[Row]:
         res = paired_ratio(base, track_a(lm, label), bm.device, sizes.eval_reps, base_warmup=not rows,
                            setup=setup, teardown=teardown)
         measured = lm.measured_bpd
-        if ppl_box[label] == ppl_box["fp16"] and name != "fp16":
+        untouched = ppl_box[label] == ppl_box["fp16"] and name != "fp16"
+        if untouched:
             log.warning("overhead: %s gives exactly FP16's perplexity (nothing compressed at this length?)", label)
         rows.append(Row(
             "overhead", f"{label} ({budget_label(bpd, v_bpd)})", "time / fp16", res["ratio"], "x",
             "<=", TARGETS[kind],
             note=f"{res['method_s']:.3g} s vs {res['base_s']:.3g} s; ppl {ppl_box[label]:.3g} vs {ppl_box['fp16']:.3g}",
+            invalid="perplexity exactly FP16's: nothing compressed" if untouched else "",
             detail={
                 "method": name, "options": options, "bpd": bpd, "v_bpd": v_bpd, "kind": kind,
                 "windows": list(windows.shape), "ppl": ppl_box[label], "ppl_fp16": ppl_box["fp16"],

