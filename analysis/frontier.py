@@ -19,6 +19,8 @@ Decisions where METHODS.md is silent:
 
 * The front is computed on the points as drawn (seed means); a point's budget column is its target
   (a point whose measured figure is off its target by more than 2% is marked †, as in the tables).
+  The per-budget ranking (best line, margin over the runner-up) takes only the points at their
+  target: a † point is named as not ranked, since it was measured at another budget.
 * "Is a composition on the front at budget β": some composition's point of target β is a front
   member. Points of different targets compete with each other on the measured axis.
 * Default metrics: the PPL mean over the datasets every run reports, and the long-context metric
@@ -145,8 +147,13 @@ def model_section(points: pd.DataFrame, statuses: dict, model: str, metric: str,
     out += ["", f"{FRONT_MARK} Pareto front, by measured bpd_KV: " + "; ".join(
         f"{r.label} ({fmt_g(r.target)}) {r.y:.{decimals}f} @ {r.x:.3g}" for r in front.itertuples()) + "."]
     for t in targets:
-        at = mp[(mp["target"] == t) & (mp["family"] != "reference")]
+        every = mp[(mp["target"] == t) & (mp["family"] != "reference")]
+        # a comparison holds only at equal measured budget: † points are not ranked at their label
+        at = every[[not off_target(x, t) for x in every["x"]]]
+        left_out = sorted(set(every["label"]) - set(at["label"]))
         if at.empty:
+            if len(every):
+                out.append(f"- bpd_KV {fmt_g(t)}: no line at its target (all †): no ranking at this budget.")
             continue
         lower = direction(metric).startswith("lower")
         best = at.loc[at["y"].idxmin() if lower else at["y"].idxmax()]
@@ -158,9 +165,10 @@ def model_section(points: pd.DataFrame, statuses: dict, model: str, metric: str,
         comps = at[(at["family"] == "composition") & at["front"]]
         verdict = ("yes: " + ", ".join(_front_reason(c, best, lower) for _, c in comps.iterrows())
                    if len(comps) else "no")
+        unranked = f" (not ranked, off target †: {', '.join(left_out)})" if left_out else ""
         out.append(f"- bpd_KV {fmt_g(t)}: best {best['label']} ({best['y']:.{decimals}f} @ "
                    f"{best['x']:.3g}){_margin(at, best, lower, decimals)}; a composition on the "
-                   f"front: {verdict}.")
+                   f"front: {verdict}{unranked}.")
     out.append("")
     return out
 

@@ -102,7 +102,7 @@ import torch
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Regime, Unsupported, held_bits, query_positions
 from .groupquant import fp16_scale_min
-from .kivi import Growing, host_ops, scored_reads
+from .kivi import Growing, host_ops, row_elements, scored_reads
 from .packing import pack_bits, unpack_bits
 
 FIT_BITS = tuple(range(1, 9))
@@ -675,17 +675,13 @@ class GearLayerState(LayerState):
         return self.k.reads(p + 1, ends, row), bits_v
 
     def stored_bits(self):
-        row = _row(self.k.buf)
+        row = row_elements(self.k.buf)
         return self.k.stored_bits(row), self.v.stored_bits(row)
 
     @property
     def n_seen(self):
         return self._seen
 
-
-def _row(g: Growing) -> int:
-    d = g.data
-    return 0 if d is None else d.shape[0] * d.shape[1] * d.shape[3]
 
 
 # ---- the method --------------------------------------------------------------------------------

@@ -635,7 +635,7 @@ class KiviLayerState(LayerState):
 
     def stored_bits(self):
         if self.v_bits is None:
-            return self.k.bits(), self.v_exact.n * _row(self.v_exact) * 16
+            return self.k.bits(), self.v_exact.n * row_elements(self.v_exact) * 16
         return self.k.bits(), self.v.bits()
 
     @property
@@ -643,7 +643,7 @@ class KiviLayerState(LayerState):
         return self._seen
 
 
-def _row(g: Growing) -> int:
+def row_elements(g: Growing) -> int:
     """Elements per token of a growing buffer (B * H * d)."""
     d = g.data
     return 0 if d is None else d.shape[0] * d.shape[1] * d.shape[3]

@@ -71,7 +71,7 @@ from .kivi import (
     SDPA_MIN_QUERIES,
     Growing,
     _one_read,
-    _row,
+    row_elements,
     _SideStore,
     blocked_attention,
     grid_choice,
@@ -383,7 +383,7 @@ class SVDqLayerState(LayerState):
     def stored_bits(self):
         buf = sum(c[0].numel() for c in self.pending) * 16
         if self.v_bits is None:
-            bits_v = self.v_exact.n * _row(self.v_exact) * 16
+            bits_v = self.v_exact.n * row_elements(self.v_exact) * 16
         else:
             bits_v = self.v.bits()
         return self._packed_bits + buf + self.basis_bits, bits_v

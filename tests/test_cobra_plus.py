@@ -288,7 +288,7 @@ def test_sensitivity_measure_on_tiny_llama():
     m.calibrate(stats, 0)
     kn = m.knobs()
     assert len(kn["alpha_k"]) == 3 and kn["alpha_v"] and kn["sensitivity_passes"] == 9
-    assert sum(kn["alpha_k"]) == pytest.approx(3.0)
+    assert sum(kn["alpha_k"]) == pytest.approx(3.0, abs=1.5e-5)  # knobs round each alpha to 5 decimals
     d_ref = m.reference_distortion(stats)
     rate = {s: out["whole"][s] / float(d_ref[s].sum()) for s in "kv"}
     assert kn["exchange_v_per_k"] == pytest.approx(rate["v"] / rate["k"])

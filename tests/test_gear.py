@@ -30,6 +30,8 @@ from methods.gear import (
     sparse_backbone,
 )
 
+pytestmark = pytest.mark.numerics
+
 B, HKV, HQ, D = 1, 2, 4, 16
 SCALING = 1 / math.sqrt(D)
 SMOLLM2 = ModelShape(30, 9, 3, 64)

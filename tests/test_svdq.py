@@ -356,12 +356,22 @@ def test_measured_budget_in_a_prefill_regime_counts_the_basis():
     assert fit["basis"] == "prefill" and fit["predicted_bpd_k"] <= 1.02
     sched, g = m.knobs()["schedule"], m.knobs()["group_tokens"]
     n_act = sum(1 for b in sched if b > 0) * d // 8
-    nq = g * (1536 // g)  # the end of prefill (METHODS.md §0 v2's prefill-exact figure)
     quant = sum(sched) / 8 + n_act / d * 32 / g
-    direct = (nq * quant + (1536 - nq) * 16 + 16 * (n_act + 1)) / 1536
+    basis = 16 * (n_act + 1)
+
+    def held(n, nq):  # bits per element of a cache of n keys, nq of them quantized
+        return (nq * quant + (n - nq) * 16 + basis) / n
+
+    end = held(1536, g * (1536 // g))  # the stored prompt: every complete group quantized
+    # METHODS.md §0 v3: the 512 scored targets are the prefill's own prediction (the stored prompt)
+    # and 511 decoded queries; the one at p reads p + 1 keys, those below g floor(p/g) quantized
+    decoded = [held(p + 1, g * (p // g)) for p in range(1536, 2047)]
+    direct = (end + sum(decoded)) / 512
     assert fit["predicted_bpd_k"] == pytest.approx(direct, abs=1e-12)
-    # and the real cache after a 1536-token prefill holds exactly that
-    q, k, v, k_pre, rope, _ = _data(1536, d, seed=4)
-    st = m.new_layer_state(0)
-    st.attend(q, k, v, scaling=d**-0.5, prefill=True, k_pre=k_pre, rope=rope)
-    assert st.stored_bits()[0] / (B * HKV * 1536 * d) == pytest.approx(direct, abs=1e-12)
+    # and the real cache after a 1536-token prefill holds the stored prompt, and the decoded
+    # queries read what the prediction says
+    q, k, v, k_pre, rope, _ = _data(2047, d, seed=4)
+    _, st = _run(m, q, k, v, k_pre, rope, [1536, 511], prefill_first=True)
+    read = st.read_bits()[0] / (B * HKV * d * torch.arange(1537, 2048, dtype=torch.float64))
+    assert read.tolist() == pytest.approx(decoded, abs=1e-12)
+    assert (end + float(read.sum())) / 512 == pytest.approx(fit["predicted_bpd_k"], abs=1e-12)
