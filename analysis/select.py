@@ -162,7 +162,8 @@ def line_label(method: str, options: dict, keys: list[str]) -> str:
     a composition is named by its parts, ``SnapKV∘KIVI`` (METHODS.md §12)."""
     if method == "compose" and options.get("evict") and options.get("codec"):
         name = f"{method_name(options['evict'])}∘{method_name(options['codec'])}"
-        keys = [k for k in keys if k not in ("evict", "codec")]
+        # an option a composition does not set tells it apart from nothing: the label skips it
+        keys = [k for k in keys if k not in ("evict", "codec") and options.get(k) is not None]
     else:
         name = method_name(method)
     return name + (f" ({describe_options(options, keys)})" if keys else "")
