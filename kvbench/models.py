@@ -61,7 +61,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         log.warning("%s has no bf16 support: loading in float16 (model.dtype= overrides)", device)
         return torch.float16
-    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float64": torch.float64}
     if dtype not in choices:
         raise ValueError(f"unknown dtype {dtype!r}; valid choices: auto, {', '.join(choices)}")
     return choices[dtype]
