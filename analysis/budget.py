@@ -1,6 +1,6 @@
 """Measured bpd per task and the † rule: a cell whose measured budget is off its target.
 
-METHODS.md §0 (v3): every task reports one headline, the mean over its scored positions of the
+docs/methods.md §0 (v3): every task reports one headline, the mean over its scored positions of the
 bits the cache held when that prediction was made (PPL track A: every position; zero-shot: the
 continuation; track B: the targets; generation: the generated tokens), and stores the
 end-of-prefill and end-of-sequence figures beside it. The result's ``bpd`` block holds the convention figure as ``measured_k``/``measured_v``
@@ -10,7 +10,7 @@ The † rule: a cell is marked when its measured bpd of the side(s) the budget i
 the K-track (V kept at 16 bits), bpd_KV = (bpd_K + bpd_V)/2 in the KV-track (V has its own budget,
 or the method evicts tokens) — is more than 2% off the target.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 - the measured figure of a row is the mean over its ok runs (seeds) that report one;
 - a task without its own ``by_task`` entry (result files older than v2, or a task the writer did
@@ -142,7 +142,7 @@ def side_label(target_v: float) -> str:
 
 def dagger_note(marked: list[str]) -> str:
     """The table note explaining † and listing the measured figures of the marked cells."""
-    return (f"{DAGGER} = the measured bpd (headline figure, METHODS.md §0 v3) is more than "
+    return (f"{DAGGER} = the measured bpd (headline figure, docs/methods.md §0) is more than "
             f"{TOLERANCE:.0%} off the target: bpd_K in the K-track (V at 16 bits), bpd_KV = "
             "(bpd_K + bpd_V)/2 in the KV-track. On the bpd column it concerns the meas. columns "
             "(the result's headline figure); on a metric it concerns the figure of that task. "

@@ -31,7 +31,7 @@ NOTES = {
            "all runs).",
     NOT_APPLICABLE: "n/a = not applicable: the method does not run this task (listed in "
                     "`unsupported_tasks` of its result.json; SnapKV has no track-A perplexity, "
-                    "METHODS.md §7.4).",
+                    "docs/methods.md §7.4).",
     MISSING: "missing = the metric is not in the result files (task not run); never filled in.",
     "(n=": "(n=k) = only k of the ok runs report this metric; mean ± std over those k.",
 }

@@ -7,7 +7,7 @@ and one of the paper's task (wikitext2/ptb/c4, LongBench) both come out without 
 for a task that was run. ``--ppl-datasets`` / ``--ppl-dataset`` / ``--longbench-metric`` still
 override.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 - PPL datasets = those reported by every ok run that reports any PPL (runs that did not run PPL,
   or cannot, do not shrink the set); the others are named in a note. When no dataset is common to
@@ -214,15 +214,15 @@ def _longbench_mean_note(column: str, subsets: list[str]) -> str:
     if not ran:
         return f"{name} = {column}, the result's mean (its subsets are not recorded)."
     if set(ran) == set(sets):
-        what = ("the mean of the 7 English F1 sets (METHODS.md §9.3)" if column == "longbench_avg"
-                else "the mean of the 7 English F1 sets and multifieldqa_zh (METHODS.md §9.3)")
+        what = ("the mean of the 7 English F1 sets (docs/methods.md §9.3)" if column == "longbench_avg"
+                else "the mean of the 7 English F1 sets and multifieldqa_zh (docs/methods.md §9.3)")
         return f"{name} = {column}, {what}."
     return (f"{name} = {column}, the mean over the sets run: {', '.join(ran)} (not all "
-            f"{len(sets)} sets of METHODS.md §9.3).")
+            f"{len(sets)} sets of docs/methods.md §9.3).")
 
 
 def long_note(frame: pd.DataFrame, column: str | None, others: list[str] | None = None) -> str:
-    """What the long-context column is (METHODS.md §9.3), e.g. the subsets LongBench F1 averages."""
+    """What the long-context column is (docs/methods.md §9.3), e.g. the subsets LongBench F1 averages."""
     if column is None:
         return ("Long-context: no run reports a long-context metric (LongBench, longqa_squad, "
                 "RULER).")
@@ -234,19 +234,19 @@ def long_note(frame: pd.DataFrame, column: str | None, others: list[str] | None 
                 "(SQuAD questions in 2000–4000-token contexts of distractor passages): a "
                 "stand-in for LongBench F1, not LongBench.")
     elif column.startswith("ruler"):
-        text = f"{header} = column {column} (METHODS.md §9.4)."
+        text = f"{header} = column {column} (docs/methods.md §9.4)."
     elif column.startswith("longbench_"):
-        text = f"{header} = column {column} (not the 7-set LongBench F1 of METHODS.md §9.3)."
+        text = f"{header} = column {column} (not the 7-set LongBench F1 of docs/methods.md §9.3)."
     else:
         text = f"the {column} column stands in for LongBench F1 (it is not LongBench)."
-    text += protocol_text(frame, column)  # issue 13
+    text += protocol_text(frame, column)
     if others:
         text += (" Also in the result files: " + ", ".join(others)
                  + " (choose with --longbench-metric).")
     return text
 
 
-# Label the generation protocol (METHODS.md §9.5)
+# Label the generation protocol (docs/methods.md §9.5)
 def protocol_text(frame: pd.DataFrame, column: str) -> str:
     """`` Protocol: query-agnostic.`` for the block of ``column`` (its ``<block>.protocol``
     column, longest matching block name), or "" when the runs do not record one."""
@@ -260,7 +260,7 @@ def protocol_text(frame: pd.DataFrame, column: str) -> str:
     if not values:
         return ""
     return (" Protocol: " + ", ".join(v.replace("_", "-") for v in values)
-            + (" (mixed: rows are not comparable)" if len(values) > 1 else "") + " (METHODS.md §9.5).")
+            + (" (mixed: rows are not comparable)" if len(values) > 1 else "") + " (docs/methods.md §9.5).")
 
 
 # ---------------------------------------------------------------- zero-shot
@@ -377,7 +377,7 @@ def _unlabelled_runs(ok: pd.DataFrame) -> int:
 
 
 def bpd_convention_note(frame: pd.DataFrame) -> str:
-    """Which measured-bpd convention the figures follow (METHODS.md §0, v3)."""
+    """Which measured-bpd convention the figures follow (docs/methods.md §0, v3)."""
     ok = ok_runs(frame)
     if ok.empty:
         return ""
@@ -387,7 +387,7 @@ def bpd_convention_note(frame: pd.DataFrame) -> str:
     if by_convention or bare:
         listed = [f"{text} ({', '.join(names)})" for text, names in by_convention.items()]
         listed += [f"{text} (headline)" for text in bare if text not in by_convention]
-        text = ("Measured bpd = the headline figure of METHODS.md §0 (v3) of each task, the mean "
+        text = ("Measured bpd = the headline figure of docs/methods.md §0 (v3) of each task, the mean "
                 "over its scored positions of the bits each prediction read: " + "; ".join(listed) + ".")
         if tasks:
             text += (" The meas. columns and the † on bpd use the headline figure, that of the "
@@ -397,14 +397,14 @@ def bpd_convention_note(frame: pd.DataFrame) -> str:
         parts.append(text)
     unlabelled = _unlabelled_runs(ok)
     if unlabelled:
-        parts.append(f"{unlabelled} ok run(s) carry no bpd convention label (result files older "
-                     "than METHODS.md v2): their measured bpd is as recorded, the cache at the "
+        parts.append(f"{unlabelled} ok run(s) carry no bpd convention label (result files written "
+                     "before docs/methods.md §0 was labelled): their measured bpd is as recorded, the cache at the "
                      "end of each PPL window (or of the last task).")
     return " ".join(parts)
 
 
 def static_bytes_note(frame: pd.DataFrame) -> str:
-    """The per-model constants of each method (METHODS.md §0 "static bytes": projections, steps,
+    """The per-model constants of each method (docs/methods.md §0 "static bytes": projections, steps,
     signs, means), which bpd does not count; empty when no run stores any."""
     ok = ok_runs(frame)
     if ok.empty or "static_bytes" not in ok.columns:

@@ -8,8 +8,6 @@ import pandas as pd
 
 from analysis.load import warn
 
-DEFAULT_PPL_DATASETS = ("wikitext2", "ptb", "c4")
-
 
 def parse_datasets(text: str) -> list[str]:
     """``"wikitext2,ptb,c4"`` -> ``["wikitext2", "ptb", "c4"]`` (blanks dropped)."""

@@ -1,8 +1,8 @@
-"""``python -m analysis frontier RUNS_DIR``: the rate–distortion frontier (METHODS.md §12).
+"""``python -m analysis frontier RUNS_DIR``: the rate–distortion frontier (docs/methods.md §12).
 
 Eviction (H2O, SnapKV), codecs (KIVI, KV-COBRA, ...) and their compositions (``method=compose``)
 on one axis: a metric against the **measured** bpd_KV = (bpd_K + bpd_V)/2 of that metric's task
-(METHODS.md §0 v3: the mean over the task's scored positions, ``bpd.by_task``), one line per method (a composition is one line, named by its
+(docs/methods.md §0: the mean over the task's scored positions, ``bpd.by_task``), one line per method (a composition is one line, named by its
 parts, ``SnapKV∘KIVI``), one point per target budget (the mean over seeds, the std as error bar).
 
 The **Pareto front** of a model and metric is the set of compressed points that no other
@@ -15,7 +15,7 @@ columns = target budgets; each cell ``metric @ measured bpd_KV``, front members 
 each target budget the best line and whether a composition is on the front there; and one PNG per
 model and metric (``--figures``), the front drawn as a step line through its members.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * The front is computed on the points as drawn (seed means); a point's budget column is its target
   (a point whose measured figure is off its target by more than 2% is marked †, as in the tables).
@@ -259,7 +259,7 @@ def frontier_report(frame: pd.DataFrame, metrics: list[str] | None, figures: str
     datasets = choose_ppl_datasets(frame).datasets
     if any(m in DERIVED_METRICS for m in metrics):
         frame = add_ppl_summaries(frame, datasets)
-    lines = ["# Rate–distortion frontier: eviction × quantization (METHODS.md §12)", "",
+    lines = ["# Rate–distortion frontier: eviction × quantization (docs/methods.md §12)", "",
              f"Cells: metric @ measured bpd_KV of the metric's task; **bold** {FRONT_MARK} = on the "
              f"Pareto front; † = measured more than {TOLERANCE:.0%} off the target.", ""]
     written: list[Path] = []

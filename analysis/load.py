@@ -8,7 +8,7 @@ Columns of the frame:
   track A);
 - ``target_k``, ``target_v``, ``measured_k``, ``measured_v`` (bits per element; a missing value
   budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V). The
-  measured figures are the result's headline figure (METHODS.md §0, v3);
+  measured figures are the result's headline figure (docs/methods.md §0, v3);
 - the rest of the ``bpd`` block flattened with dots: ``bpd.end_k``, ``bpd.convention``,
   ``bpd.by_task.ppl.measured_k``, ... (absent in result files older than convention v2);
 - ``zeroshot.split.<task>``, ``zeroshot.metric.<task>``, ``zeroshot.source`` (the text fields of
@@ -172,7 +172,7 @@ def bpd_detail_columns(record: dict) -> dict[str, Any]:
 def zeroshot_text_columns(metrics: dict) -> dict[str, Any]:
     """The zero-shot block's text fields (split and headline metric per task, data source).
 
-    flatten_metrics keeps numbers only; the table notes need these (METHODS.md §9.2).
+    flatten_metrics keeps numbers only; the table notes need these (docs/methods.md §9.2).
     """
     zeroshot = metrics.get("zeroshot")
     if not isinstance(zeroshot, dict):
@@ -187,7 +187,7 @@ def zeroshot_text_columns(metrics: dict) -> dict[str, Any]:
     return out
 
 
-# The generation protocol of each long-context block (METHODS.md §9.5)
+# The generation protocol of each long-context block (docs/methods.md §9.5)
 def protocol_columns(metrics: dict) -> dict[str, Any]:
     """``<block>.protocol`` (query_aware / query_agnostic) of each metric block that records one."""
     return {f"{name}.protocol": block["protocol"] for name, block in metrics.items()

@@ -22,7 +22,7 @@ METHOD_NAMES = {
     "kqsvd": "KQ-SVD",
     "cobra_mse": "KV-COBRA-MSE",
     "cobra_kl": "KV-COBRA-KL",
-    "cobra_plus": "KV-COBRA+",  # METHODS.md §13 (method.variant kl | mse shown as an option where both occur)
+    "cobra_plus": "KV-COBRA+",  # docs/methods.md §13 (method.variant kl | mse shown as an option where both occur)
     "h2o": "H2O",
     "snapkv": "SnapKV",
     "compose": "Compose",  # named by its parts where the options say them (plot.line_label)
@@ -49,13 +49,13 @@ LM_EVAL_HUB_SPLITS = {"piqa": "validation", "arc_easy": "test", "arc_challenge":
                       "hellaswag": "validation", "winogrande": "validation",
                       "openbookqa": "test", "boolq": "validation"}
 
-# LongBench v1 English F1 sets: "LongBench F1" is their mean (METHODS.md §9.3); the 8-set mean
+# LongBench v1 English F1 sets: "LongBench F1" is their mean (docs/methods.md §9.3); the 8-set mean
 # adds multifieldqa_zh.
 LONGBENCH_ENGLISH_F1 = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa",
                         "musique", "triviaqa"]
 LONGBENCH_ZH_F1 = "multifieldqa_zh"
 
-# Method options whose non-default values make a run an ablation (METHODS.md §4.2, §5.4, §5.7).
+# Method options whose non-default values make a run an ablation (docs/methods.md §4.2, §5.4, §5.7).
 # A run whose config lacks the option is taken to use the default.
 DEFAULT_OPTIONS = {
     "cobra_kl": {"c2": True, "rotation": "hadamard"},

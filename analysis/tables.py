@@ -38,7 +38,6 @@ from analysis.select import (
     experiment_of, is_split, line_label, options_sort_key, select_ablation, select_main,
 )
 
-DEFAULT_LONGBENCH_METRIC = "longbench_avg"
 PARTIAL_MARK = " *"
 TASK_LABELS = {"ppl": "PPL", "zeroshot": "zero-shot", "longbench": "LongBench",
                "longqa_squad": "longqa_squad", "ruler": "RULER", "ruler_wiki": "ruler_wiki"}

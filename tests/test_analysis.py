@@ -121,7 +121,7 @@ MAIN_MD = """\
 - PPL arith. mean = arithmetic mean of each run's PPL over wikitext2, ptb, c4 (the seed's convention, dominated by the largest PPL); geo. mean = geometric mean over the same datasets (track not recorded; the datasets every run with PPL reports, --ppl-datasets overrides).
 - Zero-shot avg = zeroshot_avg × 100 (the result's mean; its tasks are not recorded).
 - LongBench F1 = longbench_avg, the result's mean (its subsets are not recorded).
-- 16 ok run(s) carry no bpd convention label (result files older than METHODS.md v2): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
+- 16 ok run(s) carry no bpd convention label (result files written before docs/methods.md §0 was labelled): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
 - — = unsupported: the method cannot reach this budget (every run reported status `unsupported`).
 - div. = diverged: at least one seed diverged (k/n = diverged of all runs); no mean is shown, since dropping the diverged seeds would flatter the method.
 - fail = at least one run failed (k/n = failed of all runs; see `error` in its result.json); rerun it before reporting.
@@ -142,7 +142,7 @@ ABLATION_MD = """\
 - Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total when some are not ok. T = K_bpd + V_bpd (the seed's sum; bpd_KV = T/2); K-only rows keep V at 16 bits. w/o C2 = uniform per-head budget (method.c2=false); w/o Hadamard = method.rotation=none.
 - PPL = ppl_wikitext2 (track not recorded; the first of the datasets every run with PPL reports, --ppl-dataset overrides). Left out (not in every run): ptb (5 of 17 runs), c4 (5 of 17 runs).
 - LongBench F1 = longbench_avg, the result's mean (its subsets are not recorded).
-- 17 ok run(s) carry no bpd convention label (result files older than METHODS.md v2): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
+- 17 ok run(s) carry no bpd convention label (result files written before docs/methods.md §0 was labelled): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
 """
 
 

@@ -172,7 +172,7 @@ def test_long_context_default_prefers_what_every_run_has(tmp_path, capsys):
     assert "Also in the result files: longbench_avg (choose with --longbench-metric)." in out
     code, out, _ = run_cli(["main-table", root, "--longbench-metric", "longbench_avg"], capsys)
     assert "LongBench F1 ↑" in out.splitlines()[0] and "12.00 (n=1)" in out
-    assert "the mean over the sets run: qasper (not all 7 sets of METHODS.md §9.3)" in out
+    assert "the mean over the sets run: qasper (not all 7 sets of docs/methods.md §9.3)" in out
 
 
 def test_a_task_no_run_has_gets_no_column(tmp_path, capsys):
