@@ -33,25 +33,6 @@ def causal_mask(tq: int, tk: int, device=None) -> torch.Tensor:
     return kpos <= qpos
 
 
-def attention_probs(
-    q: torch.Tensor, k: torch.Tensor, scaling: float, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Softmax probabilities [B, Hq, Tq, Tk]; ``mask`` broadcastable to that shape, True = keep.
-
-    Computed in float32 (the logits of a bf16 model are upcast, as HF's eager path does)."""
-    group = q.shape[1] // k.shape[1]
-    dt = work_dtype(q)
-    logits = torch.matmul(q.to(dt), expand_kv(k, group).to(dt).transpose(-1, -2)) * scaling
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=-1)
-
-
-def attend_probs(probs: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    group = probs.shape[1] // v.shape[1]
-    return torch.matmul(probs, expand_kv(v, group).to(probs.dtype)).to(out_dtype)
-
-
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
 ) -> torch.Tensor:
@@ -90,9 +71,3 @@ def folded_attention(
         q.reshape(b, h, g * tq, d), k, v, attn_mask=mask.repeat(g, 1), scale=scaling
     )
     return out.view(b, h, g, tq, -1).reshape(b, hq, tq, -1)
-
-
-def group_mean(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """Average a per-query-head quantity [B, Hq, ...] over each KV group -> [B, Hkv, ...]."""
-    b, hq = x.shape[:2]
-    return x.reshape(b, n_kv_heads, hq // n_kv_heads, *x.shape[2:]).mean(dim=2)

@@ -59,19 +59,6 @@ class Fp16Packed:
     data: torch.Tensor
 
 
-class Fp16Codec(Codec):
-    """Stores 16-bit floats: the uncompressed baseline, 16 bits per element."""
-
-    def encode(self, x):
-        return Fp16Packed(x.to(torch.bfloat16) if x.dtype == torch.bfloat16 else x.half())
-
-    def decode(self, packed):
-        return packed.data
-
-    def bits(self, packed):
-        return packed.data.numel() * 16
-
-
 class ExactCodec(Codec):
     """Keeps the tensor as it is (the model's own dtype) but counts 16 bits per element.
 

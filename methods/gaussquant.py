@@ -103,13 +103,6 @@ GRID_PER_OCTAVE = 6  # log grid 1/6 octave apart over the bracket (49 points; 1.
 GOLDEN_TOL = 1e-3  # golden section stops when the bracket spans < 0.1 % in Delta
 
 
-def empirical_mse(x: torch.Tensor, step: float | torch.Tensor, bits: int) -> torch.Tensor:
-    """Mean of (x - Q(x))^2 over all of ``x`` for the quantizer of :func:`quantize` (float64)."""
-    x = x.to(torch.float64)
-    step = torch.as_tensor(step, dtype=torch.float64)
-    return ((dequantize(quantize(x, step, bits), step, bits) - x) ** 2).mean()
-
-
 class _Groups:
     """Normalized samples of G groups (float32, flattened), their widths and Gaussian steps."""
 

@@ -135,7 +135,3 @@ def fake_quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int = -1)
     """Quantize then dequantize (the value attention reads)."""
     return quantize_dequantize_groups(x, bits, group, axis)[1]
 
-
-def nominal_group_bits(n_elements: int, bits: int, group: int) -> int:
-    """Bits of ``n_elements`` quantized in groups of ``group``: codes plus 32 per group."""
-    return n_elements * bits + (n_elements // group) * 32

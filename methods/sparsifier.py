@@ -153,13 +153,6 @@ def grouped_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Te
     return out.view(b, h, hq // h, n, m)
 
 
-def grouped_output(probs: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """probs [B, H, g, n, m], v [B, H, m, d] -> outputs [B, H*g, n, d]."""
-    b, h, g, n, _ = probs.shape
-    out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))
-    return out.reshape(b, h * g, n, v.shape[-1]).to(out_dtype)
-
-
 def _rows_from(s: int, per_head: int) -> int:
     """Query rows r of the block starting at row s with r (s + r) <= per_head logits (at least 1)."""
     return max(1, int((math.sqrt(s * s + 4.0 * per_head) - s) / 2))
