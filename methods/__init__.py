@@ -29,13 +29,13 @@ REGISTRY: dict[str, type[KVMethod]] = {
     "kqsvd": KQSVD,
     "cobra_mse": CobraMSE,
     "cobra_kl": CobraKL,
-    "cobra_plus": CobraPlus,  # issue 14: KV-COBRA repaired (METHODS.md §13)
+    "cobra_plus": CobraPlus,  # KV-COBRA repaired (docs/methods.md §13)
     "h2o": H2O,
     "snapkv": SnapKV,
-    "compose": Compose,  # issue 12: eviction x codec (METHODS.md §12)
-    "turboquant": TurboQuant,  # METHODS.md §16
-    "gear": Gear,  # METHODS.md §15
-    "kvquant": KVQuant,  # METHODS.md §14
+    "compose": Compose,  # eviction x codec (docs/methods.md §12)
+    "turboquant": TurboQuant,  # docs/methods.md §16
+    "gear": Gear,  # docs/methods.md §15
+    "kvquant": KVQuant,  # docs/methods.md §14
 }
 
 

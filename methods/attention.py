@@ -41,7 +41,7 @@ def causal_attention(
     Uses torch's fused ``scaled_dot_product_attention`` (the kernel of transformers' ``sdpa``
     path), so a 32k-token prefill never materializes the [Tq, Tk] probability matrix.
 
-    Decisions where METHODS.md is silent (issue 15, finding 4): grouped-query heads are never
+    Decisions where docs/methods.md is silent: grouped-query heads are never
     expanded. Without a mask SDPA reads them natively (``enable_gqa``, as transformers' ``sdpa``
     path does: same kernel, same numbers); a single query reads every key, so a decode step needs
     no mask at all; a chunk of ``1 < Tq < Tk`` queries after a prefix (bottom-right causal mask)

@@ -1,16 +1,16 @@
 """The contract between compression methods (tensors) and the harness (models).
 
-DESIGN.md §1-§2, METHODS.md §0-§1. A method is a small dataclass with three duties:
+DESIGN.md §1-§2, docs/methods.md §0-§1. A method is a small dataclass with three duties:
 
 1. **Budget** — ``configure(shape, bpd_k, bpd_v)`` maps the targets (bits per K / V element,
-   metadata included, METHODS.md §0) to the method's knobs, or raises :class:`Unsupported` naming
+   metadata included, docs/methods.md §0) to the method's knobs, or raises :class:`Unsupported` naming
    the reachable range. ``bpd_v=None`` means values stay at 16 bits (the K-track).
 2. **Calibration** — methods with ``needs_calibration = True`` receive one :class:`LayerStats` per
    layer (float64 per-KV-head moments collected by the harness on pre-RoPE ``k_proj``/``v_proj``/
-   ``q_proj`` outputs, METHODS.md §1.2) through ``calibrate(stats)``. ``seed`` selects random signs.
+   ``q_proj`` outputs, docs/methods.md §1.2) through ``calibrate(stats)``. ``seed`` selects random signs.
 3. **Attention over a compressed cache** — ``new_layer_state(layer)`` returns a :class:`LayerState`
    that owns the stored (packed) representation of one layer's cache and computes attention from
-   it. Both simulation regimes of METHODS.md §1.3 come from the same object:
+   it. Both simulation regimes of docs/methods.md §1.3 come from the same object:
 
    * ``prefill=True``: exact attention over the new tokens, then the cache is compressed
      (LongBench, PPL track B).
@@ -52,13 +52,13 @@ class ModelShape:
 
     @property
     def n_heads_total(self) -> int:
-        """N = L * H_kv, the number of KV heads in the model (METHODS.md §0)."""
+        """N = L * H_kv, the number of KV heads in the model (docs/methods.md §0)."""
         return self.n_layers * self.n_kv_heads
 
 
 @dataclass
 class LayerStats:
-    """Calibration moments of one layer, float64, one entry per KV head (METHODS.md §1.2).
+    """Calibration moments of one layer, float64, one entry per KV head (docs/methods.md §1.2).
 
     mu_k, mu_v: [H, d] means of pre-RoPE keys / values.
     cov_k, cov_v: [H, d, d] centered covariances.
@@ -81,7 +81,7 @@ class LayerStats:
 
 @dataclass(frozen=True)
 class Regime:
-    """The scored positions a job's headline bpd is the mean over (METHODS.md §0 v3), for methods
+    """The scored positions a job's headline bpd is the mean over (docs/methods.md §0), for methods
     whose storage depends on the sequence length (fp16 buffers, per-sequence bases, eviction):
     ``"qall"`` = the ``tokens`` query positions of one pass from an empty cache (PPL track A,
     zero-shot); ``"prefill"`` = an exact prefill of ``tokens`` prompt tokens whose own prediction
@@ -121,7 +121,7 @@ def query_positions(n0: int, t: int) -> torch.Tensor:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """HF RoPE pairing: dimension i goes with i + d/2 (METHODS.md §0)."""
+    """HF RoPE pairing: dimension i goes with i + d/2 (docs/methods.md §0)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -156,7 +156,7 @@ class LayerState:
 
     def read_bits(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What the cache held, (bits_K, bits_V) as float64 CPU tensors [T], when each of the T
-        queries of the last ``attend`` call read it (METHODS.md §0, convention v2); None after a
+        queries of the last ``attend`` call read it (docs/methods.md §0); None after a
         ``prefill=True`` call, whose queries read the exact prompt.
 
         Subclasses set ``self._reads`` in ``attend`` from their stored representation and their
@@ -211,11 +211,11 @@ class KVMethod:
 
     def static_bytes(self) -> int:
         """Bytes of the per-model constants fitted by ``calibrate`` (projections, steps, signs,
-        means, codebooks): METHODS.md §0 reports them beside bpd, never in it. 0 for methods that
+        means, codebooks): docs/methods.md §0 reports them beside bpd, never in it. 0 for methods that
         store nothing per model."""
         return 0
 
     def nominal_bpd(self, n_tokens: int) -> tuple[float, float]:
-        """The formula's bpd_K, bpd_V for a cache of ``n_tokens`` (METHODS.md §8), for comparison
+        """The formula's bpd_K, bpd_V for a cache of ``n_tokens`` (docs/methods.md §8), for comparison
         with the measured value."""
         raise NotImplementedError

@@ -2,7 +2,7 @@
 
 KV-COBRA: "KV Cache Compression via Co-Optimized Bit-Rank Allocation", arXiv 2609.24298,
 NeurIPS 2026, known here only through the project's seed summary (``seeds/003_*.txt``; the paper
-itself was not found). Specification: METHODS.md §5 (§5.1-§5.11), with §1.1 (fixed-step
+itself was not found). Specification: docs/methods.md §5 (§5.1-§5.11), with §1.1 (fixed-step
 quantizer), §1.1b (the calibrated step, switch ``step="calibrated"``) and §1.2 (calibration
 statistics). The allocation lives in :mod:`methods.cobra_alloc`.
 """
@@ -44,7 +44,7 @@ from .latent_codec import (
 )
 
 C2_MODES = {True: "seed", False: "uniform", "seed": "seed", "uniform": "uniform", "exact": "exact",
-            "kkt": "kkt"}  # issue 14: "kkt" = C2 with KKT slope equalization (§5.11c)
+            "kkt": "kkt"}  # "kkt" = C2 with KKT slope equalization (§5.11c)
 
 
 def rope_average(m: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ def quant_factor(lam, sq, w, variant: str, kl_term: str, rotation: str) -> torch
 
 @dataclass
 class Cobra(KVMethod):
-    """KV-COBRA (arXiv 2609.24298, NeurIPS 2026, via the seed summary) — METHODS.md §5.
+    """KV-COBRA (arXiv 2609.24298, NeurIPS 2026, via the seed summary) — docs/methods.md §5.
 
     Keys, pre-RoPE, per KV head: Sigma_K = U Lambda U^T (float64 eigh), weights w_i = lambda_i (mse)
     or sigma_Q,i^2 lambda_i with sigma_Q,i^2 = u_i^T M_Q u_i (kl) (§5.2), reorder by w. C1 (§5.3)
@@ -114,7 +114,7 @@ class Cobra(KVMethod):
     P (k - mu_K) / sigma_bar of the coordinates that get that width; values likewise, one per head).
     §5.11c (C2 equalizes D*, KKT equalizes -dD*/dB) is addressed by ``c2="exact"``.
 
-    Decisions where METHODS.md is silent:
+    Decisions where docs/methods.md is silent:
 
     * B_tot = floor(bpd_K d N) (never above the target); targets with B_tot outside
       [N B_min, N B_max] = [4N, 8dN] are Unsupported (no head then needs the r = 0 path, which is
@@ -136,7 +136,7 @@ class Cobra(KVMethod):
     * Packing: see :mod:`methods.latent_codec` (one bit stream per encode call, each code exactly
       b_j bits, < 8 padding bits per layer and call, counted in the measured bits).
     * ``quantize=False`` stores float32 latents (test mode: exact keys at full rank).
-    * ``first_fp16=True``: METHODS.md §5.9's first-token protection — the sequence's first token (the
+    * ``first_fp16=True``: docs/methods.md §5.9's first-token protection — the sequence's first token (the
       attention sink, an outlier the fixed steps clip) is stored at 16 bits on both sides
       (:class:`methods.codec_state.CodecLayerState` ``exact_first``), counted in the measured bpd
       (about 16 (ln T + 0.58)/T over positions in track A: 0.06 at T = 2048). Off by default.
@@ -224,7 +224,7 @@ class Cobra(KVMethod):
             return uniform_allocate(w.shape[0], self._total_bits)
         if mode == "exact":
             return exact_allocate(w, self._total_bits, **kw)
-        if mode == "kkt":  # issue 14 (§5.11c)
+        if mode == "kkt":  # §5.11c
             return kkt_allocate(w, self._total_bits, **kw)
         return c2_allocate(w, self._total_bits, eta=self.eta, iters=self.c2_iters, **kw)
 
@@ -362,7 +362,7 @@ class Cobra(KVMethod):
 
 @dataclass
 class CobraMSE(Cobra):
-    """KV-COBRA-MSE: w_i = lambda_i (METHODS.md §5.2). See :class:`Cobra`."""
+    """KV-COBRA-MSE: w_i = lambda_i (docs/methods.md §5.2). See :class:`Cobra`."""
 
     name: ClassVar[str] = "cobra_mse"
     variant: str = field(default="mse", init=False)
@@ -370,7 +370,7 @@ class CobraMSE(Cobra):
 
 @dataclass
 class CobraKL(Cobra):
-    """KV-COBRA-KL: w_i = sigma_Q,i^2 lambda_i (METHODS.md §5.2). See :class:`Cobra`."""
+    """KV-COBRA-KL: w_i = sigma_Q,i^2 lambda_i (docs/methods.md §5.2). See :class:`Cobra`."""
 
     name: ClassVar[str] = "cobra_kl"
     variant: str = field(default="kl", init=False)

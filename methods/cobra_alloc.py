@@ -1,6 +1,6 @@
 """KV-COBRA bit/rank allocation: C1 (per head), C2 (across heads), the exact reference solver.
 
-METHODS.md §5.3-§5.5, seed-literal defaults, §5.11 fixes as switches. Every function is vectorized
+docs/methods.md §5.3-§5.5, seed-literal defaults, §5.11 fixes as switches. Every function is vectorized
 over heads: a head is described by two prefix tables over the rank r = 0..d,
 
 * ``tail[h, r] = sum_{i > r} w_i`` (truncation term; w sorted descending), and
@@ -314,7 +314,7 @@ def kkt_allocate(
     from 2 |moves| + 1 C1 evaluations per head; the result is a local optimum under those moves
     (D* is not convex in B: rank switches make it a staircase, so slopes alone can stall).
 
-    Decisions where METHODS.md is silent: eta = 0.7 and 30 iterations (a Newton step of the
+    Decisions where docs/methods.md is silent: eta = 0.7 and 30 iterations (a Newton step of the
     exponential model converges in a few when the ranks settle); slopes floored at 1e-300."""
     tail, qs = _terms(w, qsum)
     n, d = w.shape

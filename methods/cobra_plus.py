@@ -1,4 +1,4 @@
-"""``cobra_plus``: KV-COBRA repaired (METHODS.md §13).
+"""``cobra_plus``: KV-COBRA repaired (docs/methods.md §13).
 
 Built on :class:`methods.cobra.Cobra` (the seed-literal method, §5), which stays the default of
 ``cobra_mse`` / ``cobra_kl``. Each repair is a switch with an ablation row
@@ -40,7 +40,7 @@ part (switch)           answers
 
 Seed limitation 3 (no eviction) is the ``compose`` method (§12).
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * Defaults = the choice of the selection ``python -m kvbench.run -m experiment=cobra_plus_select``
   (:mod:`kvbench.cobra_plus_select`; its table is docs/cobra_plus_select.json, shown in
@@ -161,7 +161,7 @@ class LayerProbe(KVMethod):
 
 @dataclass
 class CobraPlus(Cobra):
-    """KV-COBRA repaired (METHODS.md §13); see the module docstring for the parts and decisions.
+    """KV-COBRA repaired (docs/methods.md §13); see the module docstring for the parts and decisions.
 
     Options beyond :class:`methods.cobra.Cobra`'s: ``sensitivity`` (per-layer alpha, measured by
     the harness), ``sensitivity_windows`` / ``sensitivity_seqlen`` / ``sensitivity_metric`` ("kl"

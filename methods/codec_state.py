@@ -1,13 +1,13 @@
 """A cache layer for token-wise codecs: every token is encoded on its own, so Q-all = decoding.
 
-Used by FP16, KQ-SVD and KV-COBRA (METHODS.md §4, §5.9: "no residual window; every token
+Used by FP16, KQ-SVD and KV-COBRA (docs/methods.md §4, §5.9: "no residual window; every token
 compressed on arrival"). Keys are encoded before RoPE when the key codec says so (``pre_rope``),
 then decoded and rotated back to their positions for attention.
 
 Storage: the packed codes (counted by ``stored_bits``) plus a decoded working copy that the
 attention reads; a fused kernel would dequantize on the fly instead, so the working copy is not
 part of the cache's bits. The working copy grows in a preallocated buffer (:class:`Growing`), so a
-decode step writes its token instead of copying the cache (issue 15, finding 4).
+decode step writes its token instead of copying the cache.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Codec:
 
     def static_bits(self) -> int:
         """Bits of the per-model constants the codec needs to decode (projections, steps, signs,
-        means: METHODS.md §0 "static bytes"), reported beside bpd, never in it."""
+        means: docs/methods.md §0 "static bytes"), reported beside bpd, never in it."""
         return 0
 
     def encode_decode(self, x: torch.Tensor):
@@ -78,7 +78,7 @@ class ExactCodec(Codec):
 @dataclass
 class CodecLayerState(LayerState):
     """Token-wise codecs: every token encoded on arrival. ``exact_first`` tokens at the start of
-    the sequence are stored exactly at 16 bits instead (METHODS.md §5.9's first-token protection of
+    the sequence are stored exactly at 16 bits instead (docs/methods.md §5.9's first-token protection of
     outlier sink tokens; cost 16/T per side, counted)."""
 
     key_codec: Codec

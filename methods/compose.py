@@ -1,4 +1,4 @@
-"""compose(evict, codec): token eviction x KV codec in one cache (METHODS.md §12).
+"""compose(evict, codec): token eviction x KV codec in one cache (docs/methods.md §12).
 
 The eviction method (H2O §6, SnapKV §7) decides which tokens stay; the codec (KIVI §2, KQ-SVD §4,
 KV-COBRA §5, FP16, later ones) stores the kept tokens' keys and values. Both are registered methods,
@@ -43,7 +43,7 @@ H2O's decode eviction:
   the remaining members keep their decoded values. A quantized value (per-token groups) goes with
   its token.
 
-The reads (what each query held, METHODS.md §0 v2) are exact per head from these rules. Under
+The reads (what each query held, docs/methods.md §0) are exact per head from these rules. Under
 H2O, KIVI's per-query mix of exact and quantized versions changes with the query position and
 eviction, so a decode chunk runs token by token through the eviction state (one pass = decoding
 by construction). SnapKV with ``decode="keep"`` never evicts after its prefill, so compose(snapkv,
@@ -68,8 +68,7 @@ count on the key side (values are not rotated), in ``stored_bits``, in the reads
 **Budget** (§12): bpd = kept share x codec bits per kept element + eviction state (H2O: an fp32
 score per kept token and KV head, 16/d per element and side; SnapKV: none) + the positions of a
 pre-RoPE codec (key side). Without ``v_bpd`` the target applies to K and V alike (as for H2O). The
-kept share is measured over the job's regime (``set_regime``) by the headline rule of METHODS.md §0
-v3, the mean over the scored positions of what each one read: in Q-all every query position; in
+kept share is measured over the job's regime (``set_regime``) by the headline rule of docs/methods.md §0, the mean over the scored positions of what each one read: in Q-all every query position; in
 prefill-exact regimes the decoded positions after the P-token prefill (H2O evicts back to its
 prefill budget; SnapKV with decode=keep keeps every decoded token, with decode=evict re-selects),
 or the cache at the end of the prefill when the regime decodes nothing.
@@ -88,7 +87,7 @@ SnapKV with decode=evict): KIVI (R = 128) stores the last 128 arrived values at 
 keeps rho ~ 0.10 (about 160 tokens at the end of the prefill) at 3-bit codes (G = 64); with
 decode=keep the 511 appended targets alone put the reachable range at bpd_KV >= 0.96 (split 1/8).
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * Codec choices: every registered method that does not evict, except compose itself and
   :data:`UNSUPPORTED_CODECS`, whose layer states are neither token-wise nor KIVI's layout: SVDq
@@ -147,7 +146,7 @@ EVICTIONS = ("h2o", "snapkv")
 #: codecs whose layer state is neither token-wise nor KIVI's (see the module docstring)
 UNSUPPORTED_CODECS = ("svdq", "gear", "kvquant")
 #: codecs that store keys before RoPE (their key codec's ``pre_rope``; checked when a layer state
-#: is built): composed with an eviction they store the held positions (METHODS.md §12.3)
+#: is built): composed with an eviction they store the held positions (docs/methods.md §12.3)
 PRE_ROPE_CODECS = ("svdq", "kqsvd", "cobra_mse", "cobra_kl", "cobra_plus")
 #: the split candidates the harness chooses from by calibration-corpus PPL (§12)
 SPLITS = (0.5, 0.25, 0.125)
@@ -175,7 +174,7 @@ def codec_choices() -> list[str]:
 
 @dataclass
 class Compose(KVMethod):
-    """compose(evict, codec), METHODS.md §12; see the module docstring.
+    """compose(evict, codec), docs/methods.md §12; see the module docstring.
 
     evict: ``h2o`` | ``snapkv``; codec: a registered codec (:func:`codec_choices`);
     evict_options / codec_options: their own options (as ``method.<option>`` alone);
@@ -218,7 +217,7 @@ class Compose(KVMethod):
         if ev_opts.get("count_indices") and self.codec in PRE_ROPE_CODECS:
             raise ValueError(
                 f"compose: {self.codec} stores keys before RoPE, so compose stores and counts the held "
-                "positions itself (METHODS.md §12.3); drop evict_options.count_indices"
+                "positions itself (docs/methods.md §12.3); drop evict_options.count_indices"
             )
         self._evictor = build_method(self.evict, **ev_opts)
         codec_opts = dict(self.codec_options or {})
@@ -332,12 +331,12 @@ class Compose(KVMethod):
 
     @property
     def stores_positions(self) -> bool:
-        """Whether the held positions are stored (a pre-RoPE codec, METHODS.md §12.3)."""
+        """Whether the held positions are stored (a pre-RoPE codec, docs/methods.md §12.3)."""
         return self.codec in PRE_ROPE_CODECS
 
     def _reads(self) -> tuple[np.ndarray, np.ndarray]:
         """(tokens held, tokens seen) at each read the regime's headline figure is taken over
-        (METHODS.md §0 v3), from the eviction's own budget functions at the current rho: Q-all,
+        (docs/methods.md §0), from the eviction's own budget functions at the current rho: Q-all,
         every query position; prefill-exact, the prediction the prefill makes (the cache at the end
         of the prefill) and each decoded position (H2O: min(P + j, C + 1); SnapKV: its storage rule,
         ``SnapKV.held_counts``)."""
@@ -567,7 +566,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------
-# Positions of held tokens under a pre-RoPE codec (METHODS.md §12.3)
+# Positions of held tokens under a pre-RoPE codec (docs/methods.md §12.3)
 
 
 def position_width(n_seen: int) -> int:

@@ -1,4 +1,4 @@
-"""FP16: the uncompressed reference (METHODS.md §0: bpd = 16). Identity on every tensor.
+"""FP16: the uncompressed reference (docs/methods.md §0: bpd = 16). Identity on every tensor.
 
 The baseline whatever ``bpd`` says (DESIGN.md §4): a budget target does not apply to it, so
 ``configure`` accepts any target and the cache always stores 16 bits per element."""

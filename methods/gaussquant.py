@@ -1,4 +1,4 @@
-"""Fixed-step symmetric uniform quantizer for Gaussian-like latents (METHODS.md §1.1).
+"""Fixed-step symmetric uniform quantizer for Gaussian-like latents (docs/methods.md §1.1).
 
 With calibration RMS sigma and b bits: step = s*(b) * sigma,
 ``code = clamp(floor(c / step) + 2**(b-1), 0, 2**b - 1)``, ``c_hat = (code - 2**(b-1) + 1/2) * step``.

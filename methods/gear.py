@@ -2,7 +2,7 @@
 
 Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, "GEAR: An Efficient Error Reduction Framework for KV
 Cache Compression in LLM Inference", arXiv 2403.05527 (v4, NeurIPS 2024 ENLSP, PMLR 262:305-321);
-code opengear-project/GEAR (``GEARLM/Simulated/compress_function.py``). Specification: METHODS.md
+code opengear-project/GEAR (``GEARLM/Simulated/compress_function.py``). Specification: docs/methods.md
 §15 (regimes §1.3, measured bpd §0, budget map §8 and its "Additions" table).
 
 * **Decomposition** (§15.1): per layer, every block of ``n`` tokens X ~ D + S + L, keys **post-RoPE**
@@ -49,15 +49,15 @@ Grid reached (``budget="measured"``, Q-all over 2048 positions, K-track, rank >=
 
 The fp16 buffer is what keeps low targets out of reach in Q-all: a query at t reads t mod n_b + 1
 tokens at 16 bits, 0.084 of the reads at n_b = 64 (1.1 bpd at a 3-bit cache) and 0.145 at
-n_b = 128. ``budget="nominal"`` (the per-block formula of §15.7 without that share, METHODS.md
+n_b = 128. ``budget="nominal"`` (the per-block formula of §15.7 without that share, docs/methods.md
 §15.8's map) reaches 2 at d = 64 with b=1, G=64, n_b=64, r=1 (2.00), 3 with b=2 there (3.00) and 4
 with b=3, G=64, n_b=256, s=1 %, r=1 (4.06). After a 1536-token prefill with 511 decoded positions
 (PPL track B) the buffer weighs less: d = 64 reaches 3 (3.01 at b=1, G=32, n_b=192, r=1) and 4
 (4.07 at b=3, G=128, n_b=128, r=1), not 2 (reachable from 2.14).
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
-* **Budget** (``budget``). ``"measured"`` (default, METHODS.md §0 v3): the target is the job's
+* **Budget** (``budget``). ``"measured"`` (default, docs/methods.md §0): the target is the job's
   measured headline in its regime (``set_regime``: Q-all, the mean over the T positions of what each
   query read; after a P-token prefill, the prefill's own prediction at the stored prompt and the D
   decoded positions), predicted exactly from the bit counts (:meth:`SideCodec.block_bits`, :func:`headline`).
@@ -110,7 +110,7 @@ GROUP_GRID = (32, 64, 128)
 MAX_BLOCK = 256
 SPARSITY_GRID = (0.0, 0.01, 0.02)
 RANK_GRID = (1, 2, 3, 4)
-#: the run templates' GEAR setting (METHODS.md §15.6): b, G, s, r, n_b
+#: the run templates' GEAR setting (docs/methods.md §15.6): b, G, s, r, n_b
 PAPER = {"bits": 2, "group": 64, "sparsity": 0.02, "rank": 2, "block": 64}
 PAPER_PROMPT_RANK = 4
 AT_TARGET = 0.02
@@ -386,7 +386,7 @@ def decode_blocks(packed: GearPacked) -> torch.Tensor:
 # ---- budget: the measured headline and the fit ------------------------------------------------
 
 def headline(cost: float, block: int, regime: Regime, prompt_cost: float | None = None) -> float:
-    """The measured bpd of one side in ``regime`` (METHODS.md §0 v3): the mean over the scored
+    """The measured bpd of one side in ``regime`` (docs/methods.md §0): the mean over the scored
     positions of what each read, bits / tokens held, with ``cost`` bits per compressed element,
     16 per buffered one. Query p reads n_b floor(p / n_b) tokens compressed (the prefill's own
     prediction: the stored prompt). ``prompt_cost``: the one-block prompt's cost (``prompt=
@@ -481,7 +481,7 @@ def describe(regime: Regime) -> str:
 
 def unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank) -> str:
     """Each side's reachable range on the grid and the points nearest its target."""
-    what = ("the per-block figure of METHODS.md §15.7" if budget == "nominal" else
+    what = ("the per-block figure of docs/methods.md §15.7" if budget == "nominal" else
             f"the measured headline in {describe(regime)}, fp16 buffer included")
     parts = []
     for side, target, name in (("k", target_k, "bpd"), ("v", target_v, "v_bpd")):
@@ -688,7 +688,7 @@ class GearLayerState(LayerState):
 
 @dataclass
 class Gear(KVMethod):
-    """GEAR (Kang et al., arXiv 2403.05527), METHODS.md §15; see the module docstring.
+    """GEAR (Kang et al., arXiv 2403.05527), docs/methods.md §15; see the module docstring.
 
     bits/group/sparsity/rank: the key side's b, G, s, r; ``v_`` forms: the value side's; block: n_b.
     None = fitted by ``configure`` (any given = run as set, the rest at the §15.6 setting).
@@ -764,7 +764,7 @@ class Gear(KVMethod):
             block = self.block or PAPER["block"]
             kk = self._given("")
             vk = self._given("v_") if (bpd_v is not None or self.v_bits is not None) else None
-            self._not_fitted = ("no key target: the run templates' GEAR setting (METHODS.md §15.6)"
+            self._not_fitted = ("no key target: the run templates' GEAR setting (docs/methods.md §15.6)"
                                 if bpd_k is None else
                                 f"explicit knobs ({', '.join(explicit)}): not fitted to the target, reported "
                                 "at the measured bpd")

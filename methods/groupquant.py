@@ -1,4 +1,4 @@
-"""Asymmetric min-max group quantizer, KIVI form (METHODS.md §1.1; KIVI ``quant/new_pack.py``).
+"""Asymmetric min-max group quantizer, KIVI form (docs/methods.md §1.1; KIVI ``quant/new_pack.py``).
 
 For every group of ``G`` consecutive elements along one axis:
 
@@ -12,7 +12,7 @@ rounded to an integer. The codes are packed ``b`` bits each with :func:`methods.
 Grouping along tokens gives KIVI's per-channel key quantizer (groups of G tokens of one channel);
 grouping along channels gives its per-token value quantizer (groups of G channels of one token).
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * **What is stored is what is used.** ``s`` and ``mn`` are rounded to fp16 first and both the codes
   and the reconstruction use the rounded values, so the codes are the nearest points of the grid
@@ -72,7 +72,7 @@ def fp16_params(xg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
     The guard ``s >= 1e-8`` is the fp16 floor alone: 1e-8 rounds to fp16 0, so clamping at 1e-8
     before the cast and at 2^-24 after it gives what the cast and the 2^-24 floor give (one op
-    fewer per call: issue 15, item 6)."""
+    fewer per call)."""
     return fp16_scale_min(xg, float((1 << bits) - 1))
 
 
@@ -101,7 +101,7 @@ def quantize_dequantize_groups(
 ) -> tuple[GroupPacked, torch.Tensor | None]:
     """(:func:`quantize_groups` of ``x``, its reconstruction): the reconstruction is computed from
     the codes before they are packed, so it equals ``dequantize_groups`` of the pack bit for bit
-    without unpacking it (what the layer states store and then read: issue 15, item 6)."""
+    without unpacking it (what the layer states store and then read)."""
     if not (isinstance(bits, int) and 1 <= bits <= 8):
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
     axis = axis % x.ndim

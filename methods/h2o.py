@@ -1,4 +1,4 @@
-"""H2O: heavy-hitter oracle token eviction (METHODS.md §6)."""
+"""H2O: heavy-hitter oracle token eviction (docs/methods.md §6)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ DEFAULT_RATIO = 0.1
 @dataclass
 class H2O(KVMethod):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-    Language Models", NeurIPS 2023, arXiv 2306.14048; code FMInference/H2O), METHODS.md §6.
+    Language Models", NeurIPS 2023, arXiv 2306.14048; code FMInference/H2O), docs/methods.md §6.
 
     Keeps the tokens with the largest accumulated attention ("heavy hitters") plus a recent
     window; K and V are evicted together (post-RoPE, whole tokens).
@@ -40,7 +40,7 @@ class H2O(KVMethod):
 
     Budget (§6.4): ``bpd`` and ``v_bpd`` are one budget spent on K and V (different values raise
     :class:`Unsupported`). ``budget="measured"`` (default): a Q-all state (PPL track A,
-    zero-shot) uses a ρ fitted so that the measured figure of METHODS.md §0 v2 — the mean over
+    zero-shot) uses a ρ fitted so that the measured figure of docs/methods.md §0 — the mean over
     query positions of what each query read, the min_budget floor and the query itself included
     (:func:`qall_mean_bpd`) — is the target at the job's regime length (``knobs.rho_qall``); a
     state that starts with an exact prefill keeps ρ = target / (16 + 16/d), since there the end of
@@ -51,7 +51,7 @@ class H2O(KVMethod):
     ``count_indices`` adds a 32-bit position per kept token (another 16/d per element and side).
     Without a target: the official 0.1 / 0.1.
 
-    Decisions where METHODS.md is silent:
+    Decisions where docs/methods.md is silent:
 
     * GQA: one kept set per KV head, score = mean over its g query heads (§6.2 [decision]).
     * Batch elements are independent sequences (the official code sums scores over the batch).
@@ -64,7 +64,7 @@ class H2O(KVMethod):
       fp32.
     * Prefill outputs come from ``attention.causal_attention`` (the FP16 baseline's kernel); the
       scores and every decode step are eager float32 softmax (the probabilities are needed).
-    * The sequential recursion (decode and Q-all, issue 15 findings 1 and 7) runs over row blocks
+    * The sequential recursion (decode and Q-all) runs over row blocks
       of logits, one block alive at a time (:data:`ROW_BLOCK` rows, fewer past
       :data:`BLOCK_ELEMS`); one token is a few ops over all heads at once: mask add, softmax,
       write-back of the probabilities, one GEMM adding the group mean into the negated score,
@@ -193,7 +193,7 @@ class H2O(KVMethod):
 
 
 def qall_mean_bpd(rho: float, min_budget: int, tokens: int, per: float) -> float:
-    """METHODS.md §0 v2 for H2O's Q-all cache (§6.3): query p reads min(p, C_{p-1}) + 1 kept
+    """docs/methods.md §0 for H2O's Q-all cache (§6.3): query p reads min(p, C_{p-1}) + 1 kept
     tokens, C_t = max(min_budget, ceil(ρ (t + 1))), at ``per`` bits per kept element and side;
     the mean over p of that / (p + 1)."""
     p = torch.arange(tokens, dtype=torch.float64)
@@ -219,7 +219,7 @@ def _one_thread(device: torch.device):
 
 
 #: query rows per block of the decode-mode logits (at most; fewer when a block would exceed
-#: :data:`BLOCK_ELEMS`): only one block of logits is alive at a time (issue 15, finding 7)
+#: :data:`BLOCK_ELEMS`): only one block of logits is alive at a time, so memory stays bounded at long contexts
 ROW_BLOCK = 256
 #: logits elements per block (2^26 float32 = 256 MiB): 256 rows up to 8k tokens at 32 query
 #: heads, 64 at 32k
@@ -445,7 +445,7 @@ class H2OLayerState(LayerState):
 
     def replace_kept_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace the stored K, V of the kept tokens by same-shaped tensors (the decoded form a
-        codec stores them in, METHODS.md §12); scores, positions and the kept set are unchanged."""
+        codec stores them in, docs/methods.md §12); scores, positions and the kept set are unchanged."""
         if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
             raise ValueError("h2o: replace_kept_kv needs tensors shaped like the kept cache")
         self._k, self._v = k, v

@@ -1,4 +1,4 @@
-"""Hadamard matrices and the variance-equalizing rotation of KV-COBRA (METHODS.md §5.7).
+"""Hadamard matrices and the variance-equalizing rotation of KV-COBRA (docs/methods.md §5.7).
 
 Orders built here, each checked ``H H^T = n I`` on construction:
 

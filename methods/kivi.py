@@ -1,7 +1,7 @@
 """KIVI: tuning-free asymmetric 2-bit KV-cache quantization with a full-precision residual window.
 
 Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu, "KIVI: A Tuning-Free Asymmetric 2bit Quantization
-for KV Cache", ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI. Specification: METHODS.md §2
+for KV Cache", ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI. Specification: docs/methods.md §2
 (quantizer §1.1, regimes §1.3, budget map §8).
 
 * Keys **post-RoPE**, per-channel: for each KV head and channel, groups of ``G`` consecutive tokens
@@ -17,16 +17,16 @@ for KV Cache", ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI. Specification: ME
 * bpd (§2.4): bpd_K(T) = [(T - n_K)(b + 32/G) + 16 n_K]/T, n_K = T mod R;
   bpd_V(T) = [(T - n_V)(b_v + 32/G_v) + 16 n_V]/T, n_V = min(T, R). Measured by ``stored_bits``.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
-* **Budget** (``budget``, METHODS.md §0 v3, §8). ``"measured"`` (default): the target is the
+* **Budget** (``budget``, docs/methods.md §0, §8). ``"measured"`` (default): the target is the
   job's *measured* headline in its regime (``set_regime``): Q-all (PPL track A, zero-shot), the mean
   over the T query positions of what each read; after a P-token exact prefill (PPL track B,
   LongBench, RULER), the mean over the scored positions: the prefill's own prediction at the stored
   prompt, then the D decoded positions. The fp16 residual window is what makes it differ from the
   nominal figure (b=2, G=32, R=128 in Q-all at T=2048: 4.885 against 3.00 at the end of the
   window). Grid: b in 1..8 (every width the packed cache stores exactly; the paper's kernels have
-  2/4/8 and METHODS.md §2.4 admits 1 and 3 as fake quantization, 5-7 are the same arithmetic);
+  2/4/8 and docs/methods.md §2.4 admits 1 and 3 as fake quantization, 5-7 are the same arithmetic);
   G in {32, 64, 128} (values: G <= d, G divides d); R a multiple of the key group from 32 to 128
   (the paper's LongBench R; its GSM8K example uses 32). R = 0 is not a KIVI setting: the official
   code takes P mod R, and per-channel key groups wait in full precision until they complete, which
@@ -57,8 +57,8 @@ Decisions where METHODS.md is silent:
   dequantize on the fly); only the packed codes, fp16 scales/minima and the residual count. The
   copy and the full-precision tail share one growing buffer per side, in the model's dtype: a
   single decode step reads exactly the prefixes quantized before it (§2.3), so it is one fused
-  SDPA call over the buffers as they are, with no float32 copy of the cache and no mask
-  (issue 15, finding 4); the groups it completes are quantized after it.
+  SDPA call over the buffers as they are, with no float32 copy of the cache and no mask;
+  the groups it completes are quantized after it.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ BITS_GRID = (1, 2, 3, 4, 8)
 GROUP_GRID = (32, 64, 128)
 DEFAULT_BITS = 2
 DEFAULT_GROUP = 32
-DEFAULT_RESIDUAL = 128  # R of the paper's LongBench runs (METHODS.md §2.2)
+DEFAULT_RESIDUAL = 128  # R of the paper's LongBench runs (docs/methods.md §2.2)
 _EPS = 1e-9
 
 
@@ -169,7 +169,7 @@ def _tail(q, prefix, ex, hat, mask, fn):
 
 def mixed_attention(q, kp, k_ex, k_hat, key_mask, vp, v_ex, v_hat, val_mask, scaling):
     """Causal attention of the last Tq positions over N keys where each (query, key) pair reads
-    the quantized or the exact version (METHODS.md §2.3).
+    the quantized or the exact version (docs/methods.md §2.3).
 
     Keys: ``kp`` [B, Hkv, pk, d] a prefix every query reads quantized (or None), then the tail
     positions pk..N-1 in both versions ``k_ex``/``k_hat`` with ``key_mask`` [Tq, N-pk], True =
@@ -239,12 +239,12 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
     after the prefix ``vp``). Arguments as in :func:`mixed_attention`; the tails start where the
     prefixes end, and the key prefix must end on a key block boundary at or below the first query's.
 
-    One SDPA call (issue 15, item 6: a fixed number of ops however many key groups the chunk
+    One SDPA call (a fixed number of ops however many key groups the chunk
     spans): each (key version, value version) pair a query may read is a segment of one key
     sequence, every position of the tail entering once per version pair, and one boolean mask
     [Tq, keys] keeps, per query, exactly the version of each position it reads (segments:
     :func:`_union_mask`). The softmax runs over the same logits as the eager path, so the result
-    is equal up to rounding. Decisions where METHODS.md is silent: the work is that of attention
+    is equal up to rounding. Decisions where docs/methods.md is silent: the work is that of attention
     over 2-3 times the keys without causal skipping (cheap on a GPU next to the launches it saves;
     about 3x the per-group loop's time on this CPU at 2048 tokens); a chunk whose mask would
     exceed :data:`MAX_UNION_MASK` elements, or a CPU chunk of more than
@@ -444,7 +444,7 @@ class _SideStore:
     ``buf`` holds what a single query at the next position reads, contiguously: the decoded
     quantized prefix (positions < ``n_quant``, a working copy of the packed codes) followed by the
     full-precision tail. A decode step appends its token and, when a group completes, overwrites
-    that group with its decoded form: no copy of the cache (issue 15, finding 4)."""
+    that group with its decoded form: no copy of the cache."""
 
     packed: list = field(default_factory=list)
     buf: Growing = field(default_factory=Growing)
@@ -659,7 +659,7 @@ def kivi_bpd(n_tokens, bits: int, group: int, n_full):
 
 #: bits tried by the fit: every width the packed cache stores exactly (KIVI's kernels: 2/4/8)
 FIT_BITS = tuple(range(1, 9))
-#: largest residual window tried by the fit: the paper's LongBench setting (METHODS.md §2.2)
+#: largest residual window tried by the fit: the paper's LongBench setting (docs/methods.md §2.2)
 MAX_RESIDUAL = 128
 #: relative band in which a measured bpd counts as at its target (the tables' mark)
 AT_TARGET = 0.02
@@ -670,7 +670,7 @@ KNOB_OPTIONS = ("bits", "group", "residual", "v_bits", "v_group")
 
 def scored_reads(regime: Regime, residual: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens held, of them quantized) at each position whose prediction the regime scores
-    (METHODS.md §0 v3, §2.3), float64. Q-all: the query at p reads p + 1 tokens, keys below
+    (docs/methods.md §0, §2.3), float64. Q-all: the query at p reads p + 1 tokens, keys below
     R floor(p/R) and values below p - R quantized. After a P-token exact prefill: its own
     prediction reads the stored prompt (keys below R floor(P/R), values below P - R), then each
     decoded query at p = P..P+D-1 reads as in Q-all."""
@@ -691,7 +691,7 @@ def scored_reads(regime: Regime, residual: int, side: str) -> tuple[torch.Tensor
 
 
 def headline_bpd(bits: int, group: int, residual: int, regime: Regime, side: str) -> float:
-    """The measured bpd of one side in ``regime`` (METHODS.md §0 v3): the mean over the scored
+    """The measured bpd of one side in ``regime`` (docs/methods.md §0): the mean over the scored
     positions of :func:`kivi_bpd` of what each one read, exact (b + 32/G bits per quantized
     element: codes plus fp16 scale and minimum per group; 16 per full-precision element)."""
     held, quant = scored_reads(regime, residual, side)
@@ -778,7 +778,7 @@ def unreachable(target_k: float, target_v: float | None, head_dim: int, regime: 
 
 @dataclass
 class Kivi(KVMethod):
-    """KIVI (Liu et al., ICML 2024, arXiv 2402.02750), METHODS.md §2; see the module docstring.
+    """KIVI (Liu et al., ICML 2024, arXiv 2402.02750), docs/methods.md §2; see the module docstring.
 
     bits/group: key bits and token-group size; v_bits/v_group: value bits and channel-group size;
     residual: R, the full-precision window (a multiple of the key group). None = chosen by

@@ -1,8 +1,8 @@
 """KQ-SVD harness baseline: logit-optimal low-rank keys + fixed-step quantization.
 
 KQ-SVD: Lesens, Rakhshan, Rabusseau, arXiv 2512.05916, AISTATS 2026 (DamienLesens/KQ-SVD,
-``process_cache.py::compute_proj_KQT_mem``). METHODS.md §4.1 (objective), §4.2 (harness
-baseline, v2: the calibrated step of §1.1b), §4.3 (budget); values as KV-COBRA (§5.8).
+``process_cache.py::compute_proj_KQT_mem``). docs/methods.md §4.1 (objective), §4.2 (harness
+baseline: the calibrated step of §1.1b), §4.3 (budget); values as KV-COBRA (§5.8).
 """
 
 from __future__ import annotations
@@ -77,20 +77,20 @@ def candidates(target: float, d: int) -> list[tuple[int, int]]:
 @dataclass
 class KQSVD(KVMethod):
     """KQ-SVD (Lesens, Rakhshan, Rabusseau, arXiv 2512.05916, AISTATS 2026) as the harness
-    baseline of METHODS.md §4.2: pre-RoPE keys only, queries untouched.
+    baseline of docs/methods.md §4.2: pre-RoPE keys only, queries untouched.
 
     Per KV head (§4.1, GQA: the group's queries stacked, i.e. Q^T Q = n g M_Q): A, B from Cholesky
     factors of n Sigma_K (centered keys) and n M_Q; online c = A^T (k - mu_K), quantized with the
-    fixed-step quantizer (§1.1) at b bits, k_hat = mu_K + B c_hat, then RoPE. Steps (§4.2 v2):
+    fixed-step quantizer (§1.1) at b bits, k_hat = mu_K + B c_hat, then RoPE. Steps (§4.2):
     ``step="calibrated"`` (default, §1.1b) Delta_j = m_h s*(b) sqrt(var_j), the one multiplier m_h
     per head minimizing the empirical MSE of the head's calibration latents c_j / sqrt(var_j)
     (all r coordinates pooled; they are decorrelated, var_j their variance); ``step="gauss"``
-    Delta_j = s*(b) sqrt(var_j) (§1.1, the v1 rule). One global (r, b),
+    Delta_j = s*(b) sqrt(var_j) (§1.1, the Gaussian rule). One global (r, b),
     r even, b in 2..8, r b = bpd_K d (§4.3), chosen by the minimum summed proxy
     sum_h D(r, b) = sum_h [sum_{i>r} w_i + q(b) sum_{i<=r} w_i] (§5.3 with KL weights). Values as
     KV-COBRA (§5.8). Unsupported when no (r, b) matches the target.
 
-    Decisions where METHODS.md is silent:
+    Decisions where docs/methods.md is silent:
 
     * Ridge: a Gram matrix that fails Cholesky gets eps * mean(diag) * I, eps = 1e-12, 1e-11, ...
       (logged per run as the largest relative ridge).
@@ -102,7 +102,7 @@ class KQSVD(KVMethod):
       ``q_model`` "seed" | "gauss" as in KV-COBRA. Ties go to the smaller r.
     * ``centered=False``: Sigma = E[k k^T], mu = 0 (as KV-COBRA's ``--uncentered``).
     * ``quantize=False`` stores float32 latents (test mode).
-    * ``first_fp16=True``: METHODS.md §5.9's first-token protection — the sequence's first token (the
+    * ``first_fp16=True``: docs/methods.md §5.9's first-token protection — the sequence's first token (the
       attention sink, an outlier the fixed steps clip) is stored at 16 bits on both sides
       (:class:`methods.codec_state.CodecLayerState` ``exact_first``), counted in the measured bpd
       (about 16 (ln T + 0.58)/T over positions in track A: 0.06 at T = 2048). Off by default.

@@ -3,7 +3,7 @@
 Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million Context
 Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079; code
 SqueezeAILab/KVQuant (``quant/kvquant/simquant_module_quantizer.py``, ``quant/llama_simquant.py``).
-Specification: METHODS.md §14 (budget map §8 and its "Additions" table, measured bpd §0, regimes §1.3).
+Specification: docs/methods.md §14 (budget map §8 and its "Additions" table, measured bpd §0, regimes §1.3).
 
 * **Vectors** (§14.1): the quantized tensors are the projection outputs (bias included). A key
   vector is one output channel of the whole ``k_proj`` (n = H_kv d channels per layer, each with its
@@ -58,7 +58,7 @@ is 4.35 + sink at n = 1024 (4.40 in Q-all, within 2 % of 4.35), 4.49 + sink at n
 f = 0 cost b + 32/n: 4.03 at n = 1024 (within 2 % of 4), 4.17 at n = 192 (not: v_bpd = 4 is
 unsupported on SmolLM2, and so is every integer v_bpd there).
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * **Fisher weighting** (§11 register 15). The harness's calibration pass has no backward, so F is
   not available: ``fisher_scale="code"`` (default) weights every element by F = 1 (the code's
@@ -546,7 +546,7 @@ def in_band(x: float, target: float) -> bool:
 
 @dataclass
 class KVQuant(KVMethod):
-    """KVQuant (Hooper et al., NeurIPS 2024, arXiv 2401.18079) per METHODS.md §14; see the module
+    """KVQuant (Hooper et al., NeurIPS 2024, arXiv 2401.18079) per docs/methods.md §14; see the module
     docstring for the quantizers, the bit count, the grid reached and the decisions.
 
     Options: ``bits``/``v_bits`` (b in 1..5; None = fitted to ``bpd``/``v_bpd``), ``outliers``

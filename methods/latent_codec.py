@@ -1,4 +1,4 @@
-"""Token-wise codecs shared by KV-COBRA and KQ-SVD (METHODS.md §4.2, §5.7, §5.8).
+"""Token-wise codecs shared by KV-COBRA and KQ-SVD (docs/methods.md §4.2, §5.7, §5.8).
 
 * :class:`LatentKeyCodec` (pre-RoPE keys): per KV head ``c = E (k - mu)`` (E = encoder rows
   [r_h, d]), fixed-step quantization of coordinate j with its own step and bit width (§1.1),
@@ -122,7 +122,7 @@ class LatentKeyCodec(Codec):
     mu [H, d]; enc, dec [H, r, d]; step [H, r]; width [H, r] (0 = padding). ``quantize=False``
     stores the float latents (a test mode, counted at 32 bits per latent).
 
-    Decisions where METHODS.md is silent (issue 15, item 6: a few batched ops per call, for the
+    Decisions where docs/methods.md is silent (a few batched ops per call, for the
     GPU's launch cost): every slot of the padded [H, r_max] layout is quantized, packed and decoded
     together, with per-slot constants prepared once per (device, dtype) (:meth:`_params`); a slot of
     width 0 (padding, or a coordinate given no bits) packs no bits and decodes to exactly 0, so the

@@ -1,12 +1,11 @@
-"""Real bit packing, so that a cache's stored bytes are bytes (METHODS.md §0: bpd is measured).
+"""Real bit packing, so that a cache's stored bytes are bytes (docs/methods.md §0: bpd is measured).
 
 ``pack_bits(codes, bits)`` packs the last axis of unsigned integer codes (each < 2**bits, 1 <= bits
 <= 8) into a little-endian bit stream of ``ceil(n * bits / 8)`` bytes per row; ``unpack_bits``
 inverts it given the row length ``n``. Vectorized over all leading axes.
 
-Decisions where METHODS.md is silent: the range check of the codes (each < 2**bits) costs two
-device->host synchronizations per call on a GPU, on the hot path of every flush (issue 15, finding
-5), while the package's quantizers clamp their codes into range by construction. It runs when a
+Decisions where docs/methods.md is silent: the range check of the codes (each < 2**bits) costs two
+device->host synchronizations per call on a GPU, on the hot path of every flush, while the package's quantizers clamp their codes into range by construction. It runs when a
 caller asks (``check=True``) or when the environment sets ``KVBENCH_CHECK_CODES=1`` (debugging),
 not by default.
 """

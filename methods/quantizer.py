@@ -1,4 +1,4 @@
-"""The seed's per-channel quantizer primitives, defects fixed (METHODS.md §1.1; seeds/000).
+"""The seed's per-channel quantizer primitives, defects fixed (docs/methods.md §1.1; seeds/000).
 
 Names and semantics follow the seed's ``quantizer.py``: channels are the **last axis**, statistics
 are taken over all other axes, and every function returns :class:`QuantizedTensor` with

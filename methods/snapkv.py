@@ -1,4 +1,4 @@
-"""SnapKV: prompt compression from an observation window (METHODS.md §7), with the decode policy
+"""SnapKV: prompt compression from an observation window (docs/methods.md §7), with the decode policy
 of §7.3 (append, or re-select every ``decode_interval`` steps)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .sparsifier import (
 #: the official code's default capacity (`init_snapkv`), used when neither a bpd target nor
 #: ``capacity`` is given
 DEFAULT_CAPACITY = 2048
-#: decode policies of METHODS.md §7.3
+#: decode policies of docs/methods.md §7.3
 DECODE_POLICIES = ("keep", "evict")
 
 
@@ -40,7 +40,7 @@ def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
 @dataclass
 class SnapKV(KVMethod):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation",
-    NeurIPS 2024, arXiv 2404.14469; code FasterDecoding/SnapKV), METHODS.md §7.
+    NeurIPS 2024, arXiv 2404.14469; code FasterDecoding/SnapKV), docs/methods.md §7.
 
     At the end of an exact prefill of T tokens, if T > C: A = softmax(Q_win K^T·scaling) for the
     last W queries (causal inside the window), s = Σ_window A[..., :T−W], s ← pool1d(s, kernel,
@@ -59,7 +59,7 @@ class SnapKV(KVMethod):
     positions read a cache that grows past the budget (the §0 headline counts it).
     ``decode="evict"``: a selection made with t tokens seen is followed by the reads at t + j
     seen, j ∈ J, until the next one (J = 1..I, I = decode_interval, for a re-selection; J = 0..I
-    for the prefill's, whose own prediction reads the compressed prompt, §0 v3), each reading
+    for the prefill's, whose own prediction reads the compressed prompt, §0), each reading
     C_t + j held tokens. It keeps
 
         C_t = max(W+1, round(ρ·(t + j̄) − j̄)),  j̄ = mean J = (I+1)/2 (re-selection), I/2 (prefill),
@@ -75,7 +75,7 @@ class SnapKV(KVMethod):
     one kept set per KV head; ``gqa="repeat"`` is the official path (``repeat_kv`` before
     selection): each query head keeps its own C tokens, stored and counted g times.
 
-    Decisions where METHODS.md is silent:
+    Decisions where docs/methods.md is silent:
 
     * gqa=mean pools each query head's scores, then averages (as kvpress and SnapKV issue #22).
     * gqa=repeat with a bpd target uses ρ = target/(16·g), so the measured bpd meets the target
@@ -425,7 +425,7 @@ class SnapKVLayerState(LayerState):
 
     def replace_kept_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace the stored K, V by same-shaped tensors (the decoded form a codec stores them
-        in, METHODS.md §12); the kept set is unchanged."""
+        in, docs/methods.md §12); the kept set is unchanged."""
         if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
             raise ValueError("snapkv: replace_kept_kv needs tensors shaped like the kept cache")
         self._k, self._v = k, v

@@ -1,4 +1,4 @@
-"""Token-selection primitives shared by H2O (METHODS.md §6) and SnapKV (§7).
+"""Token-selection primitives shared by H2O (docs/methods.md §6) and SnapKV (§7).
 
 The first four functions are the seed's ``sparsifier.py`` (seeds/000, §3-§4) with the seed's names
 and semantics; they accept numpy arrays and torch tensors alike and return the input's kind
@@ -169,7 +169,7 @@ def attention_column_sums(
     of at most ``block_elems`` logits over those keys (early blocks are taller: about half the
     blocks of a fixed row count). Queries and keys are cast to the compute dtype and laid out
     once (rows major over (position, group head), so a block is a contiguous slice), not per
-    block; a block costs five ops (issue 15, finding 2)."""
+    block; a block costs five ops."""
     b, hq, t, d = q.shape
     h = k.shape[1]
     g = hq // h

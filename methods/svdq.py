@@ -1,7 +1,7 @@
 """SVDq: SVD latent channels of the keys with importance-aware mixed-precision quantization.
 
 Hong et al., "SVDq: 1.25-bit and 410x Key Cache Compression for LLM Attention", arXiv 2502.15304
-(no official code). Specification: METHODS.md §3 (quantizer §1.1, regimes §1.3, budget map §8).
+(no official code). Specification: docs/methods.md §3 (quantizer §1.1, regimes §1.3, budget map §8).
 
 * Basis (§3.1), per layer and KV head, pre-RoPE, centred: ``basis="calib"`` = eigenvectors of the
   calibration covariance Sigma_K (``LayerStats.cov_k``, descending eigenvalues) and mean mu_K;
@@ -21,9 +21,9 @@ Hong et al., "SVDq: 1.25-bit and 410x Key Cache Compression for LLM Attention", 
   layers and KV heads; e: the Gaussian MSE column of §1.1, e(0) = 1; b_j <= 8), then sorted
   non-increasing.
 
-Decisions where METHODS.md is silent (or inconsistent):
+Decisions where docs/methods.md is silent (or inconsistent):
 
-* **Budget convention** (``budget``). ``"measured"`` (default, issue 11 / METHODS.md §0 v2): the
+* **Budget convention** (``budget``). ``"measured"`` (default, docs/methods.md §0): the
   target (within 2 %, the tables' band) is the *measured* bpd_K of the regime the job is evaluated in (``set_regime``: Q-all
   over T positions, or a P-token prefill plus D decoded positions), fp16 buffer, metadata and
   per-sequence basis included. Among schedules of S = 1..64 bits (greedy; the paper's at S = 16)
@@ -87,7 +87,7 @@ DEFAULT_GROUP = 128  # G_t of budget='mean' / 'total' and of explicit schedules 
 BASES = ("auto", "calib", "prefill")
 BUDGETS = ("measured", "mean", "total")
 AT_TARGET = 0.02  # relative band in which a measured bpd counts as at its target (the tables' †)
-#: e(b) = MSE / sigma^2 of the MSE-optimal uniform quantizer of N(0, 1), b = 0..8 (METHODS.md §1.1)
+#: e(b) = MSE / sigma^2 of the MSE-optimal uniform quantizer of N(0, 1), b = 0..8 (docs/methods.md §1.1)
 GAUSS_MSE = (1.0, 0.363, 0.119, 0.0374, 0.0115, 0.00350, 0.00104, 3.04e-4, 8.77e-5)
 _EPS = 1e-9
 
@@ -117,7 +117,7 @@ def schedule_nominal(schedule, group_tokens: int) -> float:
 
 
 def _read_positions(regime) -> torch.Tensor:
-    """Query positions whose reads the headline averages over (METHODS.md §0 v3): every position
+    """Query positions whose reads the headline averages over (docs/methods.md §0): every position
     of a Q-all pass; after a P-token prefill, the scored ones: P-1 (the prefill's own prediction,
     counted at the end-of-prefill cache) and the D decoded positions P..P+D-1."""
     if regime.kind == "qall":
@@ -126,7 +126,7 @@ def _read_positions(regime) -> torch.Tensor:
 
 
 def predicted_bpd(schedule, group: int, head_dim: int, regime, basis: str) -> float:
-    """The measured bpd_K of METHODS.md §0 v3 from §3.3: the mean over the regime's scored
+    """The measured bpd_K of docs/methods.md §0 from §3.3: the mean over the regime's scored
     positions p of the bits read / (n d). Q-all: the query at p reads n = p + 1 keys, of which
     G_t floor(p/G_t) quantized at mean(b_j) + (n_act/d) 32/G_t bits, the rest fp16. After a
     P-token exact prefill the prefill's own prediction reads the stored prompt (n = P, keys below
@@ -169,7 +169,7 @@ def quantize_latents(c: torch.Tensor, schedule, m: int, group: int) -> tuple[lis
     (codes packed at that width) and c_hat [B, H, T, n_act], dequantized from the codes before they
     are packed (:func:`methods.groupquant.dequantize_groups` of the packs, bit for bit).
 
-    Decisions where METHODS.md is silent (issue 15, item 6): one batched quantization of every
+    Decisions where docs/methods.md is silent: one batched quantization of every
     width instead of one per latent group, a fixed dozen ops plus a pack per distinct width."""
     b, h, t, n = c.shape
     levels, zero = _levels(tuple(schedule), m, c.dtype, str(c.device))
@@ -262,7 +262,7 @@ class SVDqLayerState(LayerState):
 
     def _params(self, device):
         """(mu, basis) on ``device``: the calibration basis is copied from the CPU once per
-        layer and device (issue 15, finding 5); a prefill basis is made on the device."""
+        layer and device (not on every call); a prefill basis is made on the device."""
         if self.mu.device == device:
             return self.mu, self.basis
         key = str(device)
@@ -395,7 +395,7 @@ class SVDqLayerState(LayerState):
 
 @dataclass
 class SVDq(KVMethod):
-    """SVDq (Hong et al., arXiv 2502.15304), METHODS.md §3; see the module docstring.
+    """SVDq (Hong et al., arXiv 2502.15304), docs/methods.md §3; see the module docstring.
 
     basis: "calib" | "prefill"; schedule: explicit 8 latent-group bit widths (overrides the
     budget); group: G_t, tokens per quantization group; budget: "mean" | "total" (what the target
@@ -584,7 +584,7 @@ class SVDq(KVMethod):
 
     def _layer_params(self, layer: int, sched) -> tuple:
         """(mu [1, H, 1, d], active basis columns [H, d, n_act], per-device copies) of a layer,
-        made once per schedule and shared by every state of the layer (a session makes one per
+        made once per schedule and shared by every state of the layer (a job makes one state per
         layer per sequence)."""
         cache = self.__dict__.setdefault("_layer_cache", {})
         key = (layer, tuple(sched))

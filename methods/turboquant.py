@@ -1,5 +1,5 @@
 """TurboQuant (Zandieh, Daliri, Hadian, Mirrokni, arXiv 2504.19874, ICLR 2026) with QJL's 1-bit
-inner-product stage (Zandieh, Daliri, Han, arXiv 2406.03482; amirzandieh/QJL). METHODS.md §16.
+inner-product stage (Zandieh, Daliri, Han, arXiv 2406.03482; amirzandieh/QJL). docs/methods.md §16.
 
 Per vector x in R^d (one token of one KV head, one side), an *instance* stores
 
@@ -14,7 +14,7 @@ Per vector x in R^d (one token of one KV head, one side), an *instance* stores
 Without the split one instance covers the d channels; with ``split=True`` (§16.4) two independent
 instances (own Pi, S, codebooks and norm) cover an outlier set and the rest.
 
-Budget (§16.7, METHODS.md §0): a vector costs sum_j b_j + 16 #norms (+ d_i sign bits per prod
+Budget (§16.7, docs/methods.md §0): a vector costs sum_j b_j + 16 #norms (+ d_i sign bits per prod
 instance); codes are packed (:func:`methods.gaussquant.pack_codes`, one stream per instance and
 encode call), sign bits with :func:`methods.packing.pack_bits` (QJL's byte layout), norms fp16.
 Every token costs the same, so the measured headline is the per-vector cost / d in any regime, up
@@ -39,7 +39,7 @@ d = 64 (min 1.25) and d = 128 (min 1.125); 2 = 32 @1 + 32 @0 + QJL (d = 64), 96 
 (d = 128); 3 and 4 likewise. The plain-paper rows (§16.7 "unsplit integer b") run as set with
 ``bits=b``: b bits on every coordinate and one norm (b + 16/d), prod b - 1 bits + QJL + 2 norms.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * Codebooks (§16.1 [decision]: from f_d itself): Lloyd-Max conditions solved by Newton's method on
   the Lloyd map (its Jacobian is tridiagonal: dc_i/dt = f(t)(t - c_i)/mass_i), started from the
@@ -336,7 +336,7 @@ def _call_bits(plan: SidePlan, rows: int) -> int:
 
 
 def headline_bpd(plan: SidePlan, heads: int, d: int, regime: Regime) -> float:
-    """METHODS.md §0 v3 headline of one side: the mean over the regime's scored positions of the
+    """docs/methods.md §0 headline of one side: the mean over the regime's scored positions of the
     bits held / (t H d) (every layer holds the same). Q-all: one call of T tokens; prefill: one
     call of P tokens read by the first scored position, then one call per decoded token."""
     if regime.kind == "qall":
@@ -572,7 +572,7 @@ def _salt(side: int, instance: int, kind: int) -> int:
 
 @dataclass
 class TurboQuant(KVMethod):
-    """TurboQuant (METHODS.md §16): data-oblivious rotation + Lloyd-Max codebooks of f_d, fp16
+    """TurboQuant (docs/methods.md §16): data-oblivious rotation + Lloyd-Max codebooks of f_d, fp16
     norms, optionally QJL's 1-bit residual stage on keys. See the module docstring for the budget
     map and the decisions.
 
