@@ -24,8 +24,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.identity import EXCLUDED_KEYS, identity_config, is_done, job_id
-from kvbench.job import redundant_seed, run_job
+from kvbench.store.identity import EXCLUDED_KEYS, identity_config, is_done, job_id
+from kvbench.config import redundant_seed
+from kvbench.job import run_job
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -170,7 +171,9 @@ def test_frontier_baselines_and_ruler_rows():
     baselines = {r: _row_key(c) for r, c in rows_of("baselines", "baseline_row", "bpd=4").items()}
     methods = ["kivi", "kvquant", "gear", "turboquant", "kqsvd", "cobra_kl", "cobra_plus"]
     assert {baselines[m][:2] for m in methods} == {(m, "K") for m in methods}
-    assert {baselines[f"{m}_kv"][:2] for m in methods} == {(m, "KV") for m in methods}
+    assert set(baselines) == {"fp16", *methods}  # the sweep's K-track; the KV rows run at bpd=2
+    kv = {m: _row_key(cfg_of("experiment=baselines", f"baseline_row={m}_kv", "bpd=2")) for m in methods}
+    assert {kv[m][:2] for m in methods} == {(m, "KV") for m in methods}
     assert sweep_params(cfg_of("experiment=baselines", hydra_cfg=True))["bpd"] == ["1", "2", "4"]
 
     ruler = rows_of("ruler_smoke", "ruler_row", "bpd=4")
@@ -240,7 +243,7 @@ def tiny_checkpoint(path: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from kvbench.models import smollm2_checkpoint
+    from kvbench.model.loading import smollm2_checkpoint
 
     tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
     torch.manual_seed(0)
@@ -331,7 +334,7 @@ def _result(**extra):
 
 
 def test_wandb_run_identity_and_summary():
-    from kvbench.tracking import group_name, run_id, run_name, summary_of
+    from kvbench.store.tracking import group_name, run_id, run_name, summary_of
 
     r = _result()
     assert run_name(r) == "llama3_8b/cobra_kl/bpd1+v4/seed2"
@@ -345,7 +348,7 @@ def test_wandb_run_identity_and_summary():
 
 def test_wandb_offline_and_bad_mode_never_fail(tmp_path):
     pytest.importorskip("wandb")
-    from kvbench.tracking import log_result, run_id
+    from kvbench.store.tracking import log_result, run_id
 
     log_result(_result(), {"mode": "bogus"}, tmp_path / "bad")  # logged, not raised
     log_result(_result(), {"mode": "disabled"}, tmp_path / "off")
