@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from .job import run_job
-from .logs import quiet_libraries
+from .store.logs import quiet_libraries
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

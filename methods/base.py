@@ -205,6 +205,13 @@ class KVMethod:
     def new_layer_state(self, layer: int) -> LayerState:
         raise NotImplementedError
 
+    def searches(self) -> tuple[str, ...]:
+        """What the harness should choose or measure for this method on held-out calibration
+        windows, by name: ``"budget_share"`` (compose's ``split``, asked before ``configure``),
+        ``"layer_sensitivity"`` (asked after ``configure``). Data, so the harness never probes
+        a method for capabilities; most methods want nothing."""
+        return ()
+
     def knobs(self) -> dict:
         """The knobs chosen by ``configure``/``calibrate`` (logged into result.json)."""
         return {}

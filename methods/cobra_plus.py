@@ -22,7 +22,7 @@ part (switch)           answers
 ``sensitivity``         seed limitation 2: C2 treats every layer's distortion as equally harmful.
                         alpha_l = (increase of the model's output KL when only layer l's keys carry
                         the uniform allocation's codec at the target budget) / (that reference's
-                        modelled D_l), measured by :mod:`kvbench.layer_sensitivity` on calibration
+                        modelled D_l), measured by :mod:`kvbench.fit.layer_sensitivity` on calibration
                         windows and handed over as data (:meth:`CobraPlus.set_layer_sensitivity`);
                         D_h -> alpha_l(h) D_h in the allocation. Off by default: held-out 88.1
                         with it against 82.0, worse on all 8 windows; the ablation row switches it
@@ -43,7 +43,7 @@ Seed limitation 3 (no eviction) is the ``compose`` method (§12).
 Decisions where docs/methods.md is silent:
 
 * Defaults = the choice of the selection ``python -m kvbench.run -m experiment=cobra_plus_select``
-  (:mod:`kvbench.cobra_plus_select`; its table is docs/cobra_plus_select.json, shown in
+  (:mod:`kvbench.fit.cobra_plus_select`; its table is docs/cobra_plus_select.json, shown in
   docs/cobra_plus.md): coordinate descent, one part at a time in the order q_model, kl_term, c2,
   step, q_stat, clip_scale, sensitivity at K-track bpd_K 1, passes repeated until one changes
   nothing (3 passes), then joint_kv / joint_exchange at (bpd_K, bpd_V) = (1, 4), the KV-track where
@@ -243,13 +243,13 @@ class CobraPlus(Cobra):
 
     # ---- layer sensitivity (data from the harness) ----------------------------------------------
 
-    def wants_layer_sensitivity(self) -> bool:
-        """Whether the harness should measure for this job (:mod:`kvbench.layer_sensitivity`): per
-        layer with ``sensitivity``; per side (the K/V exchange rate) in the joint KV-track with
-        ``joint_exchange="measured"``."""
+    def searches(self) -> tuple[str, ...]:
+        """``("layer_sensitivity",)`` when the harness should measure for this job
+        (:mod:`kvbench.fit.layer_sensitivity`), once configured: per layer with ``sensitivity``;
+        per side (the K/V exchange rate) in the joint KV-track with ``joint_exchange="measured"``."""
         if self._total_bits is None:
-            return False
-        return bool(self.sensitivity) or self.sensitivity_whole()
+            return ()
+        return ("layer_sensitivity",) if bool(self.sensitivity) or self.sensitivity_whole() else ()
 
     def sensitivity_per_layer(self) -> bool:
         return bool(self.sensitivity)

@@ -76,7 +76,7 @@ or the cache at the end of the prefill when the regime decodes nothing.
 C = round(rho * P)); the codec then gets
 target / (predicted kept share) - state bits per kept element, each side, lowered to the nearest
 value its own ``configure`` accepts. Otherwise a *split* rho_0 (``split``; by default chosen from
-{1/2, 1/4, 1/8} by the harness on the calibration corpus, ``kvbench/keep_fraction.py``;
+{1/2, 1/4, 1/8} by the harness on the calibration corpus, ``kvbench/fit/budget_share.py``;
 :data:`DEFAULT_SPLIT` when nothing chooses) sets the codec's budget the same way, and the kept
 fraction rho is then fitted (bisection) so that the predicted measured bpd_KV equals the target:
 the codec's grid and its fp16 residual (KIVI) are paid for by keeping fewer tokens. Where no rho
@@ -238,10 +238,10 @@ class Compose(KVMethod):
         self._rho = None
         self._knobs: dict = {}
 
-    def wants_split_choice(self) -> bool:
-        """Whether the harness should choose ``split`` by calibration-corpus PPL (§12): neither
-        ``keep`` nor ``split`` given (``kvbench/keep_fraction.py``)."""
-        return self.keep is None and self.split is None
+    def searches(self) -> tuple[str, ...]:
+        """The harness chooses ``split`` by calibration-corpus PPL (§12) when neither ``keep`` nor
+        ``split`` is given (``kvbench/fit/budget_share.py``)."""
+        return ("budget_share",) if self.keep is None and self.split is None else ()
 
     # ---- regime, budget ------------------------------------------------------------------------
 

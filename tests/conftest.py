@@ -45,7 +45,7 @@ def tokenizer():
     """SmolLM2's tokenizer (the converted checkpoint; skips where the model package is absent)."""
     from transformers import AutoTokenizer
 
-    from kvbench.models import ModelNotFound, smollm2_checkpoint
+    from kvbench.model.loading import ModelNotFound, smollm2_checkpoint
 
     try:
         return AutoTokenizer.from_pretrained(smollm2_checkpoint())
@@ -83,7 +83,7 @@ def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2
 
 def configured_method(model, name, options, bpd, v_bpd, stats, seed: int = 0):
     """A registered method configured for ``model``'s shape and calibrated on ``stats``."""
-    from kvbench.integrate import model_shape
+    from kvbench.model.integrate import model_shape
     from methods import build_method
 
     method = build_method(name, **options)
@@ -115,6 +115,6 @@ def tiny_tokenizer(vocab_size: int = 128):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (converted once into $KVBENCH_CACHE)."""
-    from kvbench.models import load_model
+    from kvbench.model.loading import load_model
 
     return load_model("smollm2_135m", embedded=True)

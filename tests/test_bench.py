@@ -230,8 +230,8 @@ def test_address_space_guard_turns_a_huge_allocation_into_a_caught_oom():
 def test_score_request_is_what_hflm_computes():
     """The timed work per request equals lm-eval's own ``_loglikelihood_tokens`` at batch 1."""
     from conftest import tiny_llama, tiny_tokenizer
-    from kvbench.compressed_lm import CompressedLM
-    from kvbench.evals import zeroshot as zs
+    from kvbench.model.compressed_lm import CompressedLM
+    from kvbench.tasks import zeroshot as zs
 
     lm = CompressedLM(tiny_llama(), tiny_tokenizer())
     reqs = shortseq.synthetic_requests(128, 5, seed=3)
@@ -487,7 +487,7 @@ def test_host_ranges_of_the_methods_hold_host_data_only(name, monkeypatch, one_t
     (an op on the model's tensors put into such a range would make the two differ)."""
     from conftest import tiny_llama
     from kvbench.bench.common import make_method, synthetic_stats
-    from kvbench.integrate import model_shape
+    from kvbench.model.integrate import model_shape
 
     model = tiny_llama()
     assert next(model.parameters()).dtype == torch.float32  # no tensor of the model's is float64

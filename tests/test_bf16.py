@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from conftest import configured_method, tiny_llama
-from kvbench.calibrate import collect_stats
-from kvbench.compressed_lm import CompressedLM
-from kvbench.integrate import attach
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.compressed_lm import CompressedLM
+from kvbench.model.integrate import attach
 
 pytestmark = pytest.mark.numerics
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import configured_method, tiny_llama
-from kvbench.calibrate import collect_stats
-from kvbench.compressed_lm import CompressedLM, summarize_readings
-from kvbench.integrate import attach, model_shape
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.compressed_lm import CompressedLM, summarize_readings
+from kvbench.model.integrate import attach, model_shape
 from methods.kivi import KiviLayerState
 
 pytestmark = pytest.mark.numerics

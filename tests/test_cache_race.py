@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from kvbench.cache_files import computed_once, unique_tmp
+from kvbench.store.cache import computed_once, unique_tmp
 
 JOB = [
     "method=cobra_kl", "bpd=1.0", "tasks=[ppl]", "task.ppl.datasets=[ptb]", "task.ppl.seqlen=64",
@@ -24,7 +24,7 @@ JOB = [
 
 @pytest.mark.slow
 def test_two_jobs_on_an_empty_cache_convert_and_calibrate_once(tmp_path):
-    from kvbench.models import ModelNotFound, smollm2_gguf_path
+    from kvbench.model.loading import ModelNotFound, smollm2_gguf_path
 
     try:
         smollm2_gguf_path()

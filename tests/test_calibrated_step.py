@@ -99,7 +99,7 @@ SHAPE = ModelShape(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16)
 
 def stats_with_samples(shape: ModelShape, n: int = 6000, n_sample: int = 3000, seed: int = 0):
     """Moments of sampled keys/values/queries whose keys have a few huge outlier tokens (sinks),
-    and the centered float16 sample of ``n_sample`` of the tokens (as kvbench.calibrate stores it)."""
+    and the centered float16 sample of ``n_sample`` of the tokens (as kvbench.fit.statistics stores it)."""
     g = torch.Generator().manual_seed(seed)
     h, d = shape.n_kv_heads, shape.head_dim
     idx = torch.randperm(n, generator=g)[:n_sample].sort().values
@@ -211,7 +211,7 @@ def test_value_codec_calibrated_step():
 
 
 def test_sample_request_and_fallback():
-    from kvbench.calibrate import CalibrationSpec, sample_request, with_sample
+    from kvbench.fit.statistics import CalibrationSpec, sample_request, with_sample
 
     def configured(method, bpd, v_bpd=None):
         method.configure(SHAPE, bpd, v_bpd)
@@ -239,10 +239,10 @@ def test_sample_request_and_fallback():
     assert torch.equal(m.new_layer_state(0).key_codec.step, g.new_layer_state(0).key_codec.step)
 
 
-# ---- the calibration sample (kvbench.calibrate) ------------------------------------------------------
+# ---- the calibration sample (kvbench.fit.statistics) ------------------------------------------------------
 
 def test_sample_collection_on_tiny_llama(tiny_model):
-    from kvbench.calibrate import collect_stats, sample_positions
+    from kvbench.fit.statistics import collect_stats, sample_positions
 
     g = torch.Generator().manual_seed(0)
     windows = torch.randint(0, 128, (3, 40), generator=g)
@@ -278,7 +278,7 @@ def test_sample_collection_on_tiny_llama(tiny_model):
 def test_sample_cached_and_loaded(tiny_model, tmp_path, monkeypatch):
     import json
 
-    import kvbench.calibrate as calib
+    import kvbench.fit.statistics as calib
 
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     windows = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -288,11 +288,11 @@ def test_sample_cached_and_loaded(tiny_model, tmp_path, monkeypatch):
     legacy = {k: v for k, v in bare.__dict__.items() if k != "sample_tokens"}  # key before §1.1b
     assert bare.key("m") == __import__("hashlib").sha256(json.dumps({"model": "m", **legacy}, sort_keys=True).encode()).hexdigest()[:16]
     assert spec.key("m") != bare.key("m")
-    first, _, hit1 = calib.calibrate(tiny_model, None, "tiny", spec)
-    second, _, hit2 = calib.calibrate(tiny_model, None, "tiny", spec)
+    first, _, hit1 = calib.statistics(tiny_model, None, "tiny", spec)
+    second, _, hit2 = calib.statistics(tiny_model, None, "tiny", spec)
     assert (hit1, hit2) == (False, True)
     assert second[1].k_sample.shape == (2, 64, 16) and second[1].k_sample.dtype == torch.float16
     assert torch.equal(first[1].k_sample, second[1].k_sample) and torch.equal(first[0].v_sample, second[0].v_sample)
-    without, _, hit3 = calib.calibrate(tiny_model, None, "tiny", bare)
+    without, _, hit3 = calib.statistics(tiny_model, None, "tiny", bare)
     assert not hit3 and without[0].k_sample is None
     assert len(list((tmp_path / "calibration").glob("*.pt"))) == 2

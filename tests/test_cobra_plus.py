@@ -169,7 +169,7 @@ def test_alpha_ones_reproduces_plain_allocation_and_alpha_moves_bits():
     plain = built(1.0)
     m = build_method("cobra_plus", sensitivity=True)
     m.configure(SHAPE, 1.0, None)
-    assert m.wants_layer_sensitivity() and m.sensitivity_sides() == ("k",)
+    assert "layer_sensitivity" in m.searches() and m.sensitivity_sides() == ("k",)
     d_ref = m.reference_distortion(STATS)["k"]
     m.set_layer_sensitivity({"k": d_ref.tolist()})  # increase proportional to D_ref: alpha = 1
     m.calibrate(STATS, 0)
@@ -267,9 +267,9 @@ def test_plan_reference_and_power():
 
 def test_sensitivity_measure_on_tiny_llama():
     from conftest import tiny_llama
-    from kvbench.calibrate import collect_stats
-    from kvbench.integrate import model_shape
-    from kvbench.layer_sensitivity import measure
+    from kvbench.fit.statistics import collect_stats
+    from kvbench.model.integrate import model_shape
+    from kvbench.fit.layer_sensitivity import measure
 
     model = tiny_llama(layers=3)
     g = torch.Generator().manual_seed(0)

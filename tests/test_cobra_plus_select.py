@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from conftest import REPO
-from kvbench.cobra_plus_select import Stage, descend, main, render, stages_from_config
+from kvbench.fit.cobra_plus_select import Stage, descend, main, render, stages_from_config
 from methods import build_method
 from methods.cobra_plus import CobraPlus
 from test_run import FAST, tiny_checkpoint  # noqa: F401  (the fixture)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from kvbench.calibrate import collect_stats
-from kvbench.integrate import attach, model_shape
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.integrate import attach, model_shape
 from methods import Regime, Unsupported, build_method
 from methods.base import ModelShape
 from methods.compose import (

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from kvbench.evals.f1 import (
+from kvbench.tasks.f1 import (
     best_f1,
     best_f1_zh,
     f1_score,

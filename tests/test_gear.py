@@ -509,7 +509,7 @@ def model64():
 
 
 def test_in_a_model_one_pass_equals_decoding_and_prefill_chunk_equals_steps(model64):
-    from kvbench.integrate import attach
+    from kvbench.model.integrate import attach
 
     method = configured_method(model64, "gear", KNOBS, 4.0, 3.0, None)
     ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(7))

@@ -23,9 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import methods.h2o as h2o_mod
 from conftest import configured_method, tiny_llama
-from kvbench.calibrate import collect_stats
-from kvbench.compressed_lm import CompressedLM
-from kvbench.integrate import attach, logits_argument, model_shape
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.compressed_lm import CompressedLM
+from kvbench.model.integrate import attach, logits_argument, model_shape
 from methods.attention import causal_attention, expand_kv
 from methods.base import ModelShape, Regime
 from methods.h2o import H2O, H2OLayerState
@@ -302,7 +302,7 @@ def test_prefill_asks_the_model_for_the_last_row_only(model_and_stats):
 
 
 def test_logits_argument_names_either_version_or_none():
-    from kvbench.integrate import last_logits
+    from kvbench.model.integrate import last_logits
 
     class New(torch.nn.Module):
         def forward(self, input_ids, logits_to_keep=0):

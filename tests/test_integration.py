@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import configured_method, tiny_llama
-from kvbench.calibrate import collect_stats
-from kvbench.compressed_lm import CompressedLM, NotInPass
-from kvbench.integrate import attach
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.compressed_lm import CompressedLM, NotInPass
+from kvbench.model.integrate import attach
 from methods.fp16 import Fp16
 
 pytestmark = pytest.mark.numerics

@@ -315,8 +315,8 @@ def test_fit_end_to_end_on_the_tiny_model():
     """Through the harness: the headline of a Q-all pass and of a track-B score equals the fit's
     prediction and lies within 2% of the target (tiny Llama, head_dim 64, random tokens)."""
     from conftest import tiny_llama
-    from kvbench.compressed_lm import CompressedLM
-    from kvbench.integrate import attach, model_shape
+    from kvbench.model.compressed_lm import CompressedLM
+    from kvbench.model.integrate import attach, model_shape
 
     model = tiny_llama(head_dim=64)
     ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(3))

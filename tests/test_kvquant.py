@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import configured_method, tiny_llama
-from kvbench.calibrate import collect_stats
-from kvbench.integrate import attach
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.integrate import attach
 from methods import build_method
 from methods.base import LayerStats, ModelShape, Regime, Rope, Unsupported, apply_rope
 from methods.kvquant import (

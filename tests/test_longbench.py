@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.evals import longbench as lb
-from kvbench.evals.f1 import zh_tokens
-from kvbench.evals.longbench_prompts import (
+from kvbench.tasks import longbench as lb
+from kvbench.tasks.f1 import zh_tokens
+from kvbench.tasks.longbench_prompts import (
     ALL_F1,
     CHINESE_F1,
     DATASET2MAXLEN,
@@ -256,7 +256,7 @@ def test_unknown_subset_is_rejected():
 
 @pytest.mark.slow
 def test_real_generation_smollm2(smollm2, data_dir):
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     lm = CompressedLM(smollm2.model, smollm2.tokenizer)
     out = lb.evaluate_longbench(lm, ["hotpotqa"], data_dir, 1, 256, True)

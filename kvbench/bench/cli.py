@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 rows[section] = codec_speed.run(sizes, device, dtype)
             elif section == "memory":
                 if stats is None:
-                    from ..calibrate import collect_stats
+                    from ..fit.statistics import collect_stats
                     from .common import calib_windows
 
                     stats = collect_stats(bm.model, calib_windows(bm, sizes.calib_seqlen, sizes.calib_windows))

@@ -248,7 +248,7 @@ class Row:
 def attached_around(lm, method) -> tuple[Callable[[], None], Callable[[], None]]:
     """(setup, teardown) that attach ``method`` to ``lm``'s model around a timed pass and detach it
     afterwards, so the FP16 baseline runs on the unpatched model."""
-    from ..integrate import attach
+    from ..model.integrate import attach
 
     def setup():
         lm.compressor = attach(lm.model, method)
@@ -392,7 +392,7 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0) -
 
 
 def load_bench_model(name: str, device: str, layers: int | None = None) -> BenchModel:
-    from ..models import load_model, resolve_device, resolve_dtype
+    from ..model.loading import load_model, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     dtype = resolve_dtype("auto", dev)
@@ -426,7 +426,7 @@ def eval_windows(bm: BenchModel, seqlen: int, n: int) -> torch.Tensor:
 def calib_windows(bm: BenchModel, seqlen: int, n: int, seed: int = 0) -> torch.Tensor:
     """[n, seqlen] calibration windows: PTB train at GPTQ-style random offsets, or random ids."""
     if bm.tokenizer is not None:
-        from ..calibrate import CalibrationSpec, calibration_windows
+        from ..fit.statistics import CalibrationSpec, calibration_windows
 
         spec = CalibrationSpec(dataset="ptb", split="train", n_windows=n, seqlen=seqlen, seed=seed)
         return calibration_windows(bm.tokenizer, spec)

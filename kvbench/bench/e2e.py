@@ -59,8 +59,8 @@ import time
 
 import torch
 
-from ..compressed_lm import CompressedLM
-from ..integrate import attach, cache_argument, model_shape, returned_cache
+from ..model.compressed_lm import CompressedLM
+from ..model.integrate import attach, cache_argument, model_shape, returned_cache
 from .common import (EVAL_CASES, INFO, BenchModel, Row, Sizes, bench_dtype, budget_label, calib_windows, dtype_name,
                      fmt_bytes, make_method, sync)
 from .memory import resident_bytes
@@ -283,7 +283,7 @@ def e2e_model(sizes: Sizes, device: str, layers: int | None, dtype: torch.dtype 
     """``llama3_8b_random`` for the section: all 32 layers on a GPU, ``e2e_layers_cpu`` on a CPU,
     ``layers`` when given; ``dtype`` a torch dtype or a name (None or ``auto``:
     :func:`kvbench.bench.common.bench_dtype`). ``tiny``: the tests' tiny Llama (smoke runs)."""
-    from ..models import resolve_device
+    from ..model.loading import resolve_device
     from .common import llama3_8b_config, random_model, tiny_config
 
     dev = resolve_device(device)
@@ -298,7 +298,7 @@ def e2e_model(sizes: Sizes, device: str, layers: int | None, dtype: torch.dtype 
 
 
 def run(bm: BenchModel, sizes: Sizes, lengths=None, methods=None, new_tokens=None) -> list[Row]:
-    from ..calibrate import collect_stats
+    from ..fit.statistics import collect_stats
 
     lengths = list(lengths or sizes.e2e_lengths)
     n = int(new_tokens or sizes.e2e_new_tokens)

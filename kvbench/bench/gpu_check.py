@@ -148,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _plain_steps(model, ids: torch.Tensor) -> torch.Tensor:
-    from ..integrate import cache_argument, returned_cache
+    from ..model.integrate import cache_argument, returned_cache
 
     name, cache, outs = cache_argument(model), None, []
     for t in range(ids.shape[1]):
@@ -162,7 +162,7 @@ def _plain_steps(model, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def in_pass_gap(model, method, ids: torch.Tensor) -> float:
     """max |Δlogit| between the one-pass form and token-by-token decoding (see the module docstring)."""
-    from ..integrate import attach
+    from ..model.integrate import attach
 
     if method is None:
         one = model(input_ids=ids, use_cache=False).logits
@@ -190,7 +190,7 @@ def in_pass_gap(model, method, ids: torch.Tensor) -> float:
 def window_ppl(lm, window: torch.Tensor, preset: Preset) -> dict:
     """Perplexity of the preset's window: track A where the method has a one-pass form, else
     track B with the first 3/4 as context."""
-    from ..ppl import window_nll
+    from ..model.perplexity import window_nll
 
     track = "A" if lm.supports_in_pass else "B"
     t0 = time.perf_counter()
@@ -201,9 +201,9 @@ def window_ppl(lm, window: torch.Tensor, preset: Preset) -> dict:
 
 def check_method(bm: BenchModel, label, name, method, window, preset: Preset) -> dict:
     """PPL window, one longqa_squad item and the run-dtype in-pass gap of one method."""
-    from ..compressed_lm import CompressedLM
-    from ..evals.longqa_squad import evaluate_longqa_squad
-    from ..integrate import attach
+    from ..model.compressed_lm import CompressedLM
+    from ..tasks.longqa_squad import evaluate_longqa_squad
+    from ..model.integrate import attach
 
     out: dict = {"label": label, "method": name or "fp16", "options": method_options(method)}
     comp = attach(bm.model, method) if method is not None else None
@@ -240,8 +240,8 @@ def fingerprint(ids: torch.Tensor) -> str:
 def load_smollm2(device: str, dtype: torch.dtype) -> tuple[BenchModel, torch.Tensor, list, dict]:
     """The embedded SmolLM2 on ``device`` in ``dtype``, its calibration statistics and the data
     fingerprints a reference is matched on."""
-    from ..calibrate import collect_stats
-    from ..models import load_model
+    from ..fit.statistics import collect_stats
+    from ..model.loading import load_model
 
     loaded = load_model("smollm2_135m", embedded=True, device=device, dtype=dtype_name(dtype))
     model = loaded.model
@@ -266,7 +266,7 @@ def ppl_window(bm: BenchModel, preset: Preset, data: dict) -> tuple[torch.Tensor
 
 def smollm2_part(device: str, dtype: torch.dtype, preset: Preset, cases,
                  reference: dict | None) -> tuple[list[Row], dict]:
-    from ..integrate import model_shape
+    from ..model.integrate import model_shape
 
     t0 = time.perf_counter()
     bm, _, stats, data = load_smollm2(device, dtype)
@@ -408,8 +408,8 @@ def smollm2_rows(results: list[dict], preset: Preset, dtype: str,
 def reference_figures(preset: Preset, cases, dtype: torch.dtype = torch.float32) -> dict:
     """Every case's perplexity on the preset's window on the CPU, in float32: one preset's entry
     of the reference file (another ``dtype`` measures what that dtype's rounding moves)."""
-    from ..compressed_lm import CompressedLM
-    from ..integrate import attach, model_shape
+    from ..model.compressed_lm import CompressedLM
+    from ..model.integrate import attach, model_shape
 
     bm, _, stats, data = load_smollm2("cpu", dtype)
     window, data = ppl_window(bm, preset, data)

@@ -27,7 +27,7 @@ from methods import KVMethod, LayerState
 from methods.attention import causal_attention
 
 from .common import MEMORY_CASES, BenchModel, Row, Sizes, budget_label, eval_windows, fmt_bytes, make_method
-from ..integrate import attach, model_shape
+from ..model.integrate import attach, model_shape
 
 log = logging.getLogger(__name__)
 

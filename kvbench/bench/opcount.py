@@ -81,7 +81,7 @@ import torch
 from methods import ModelShape
 from methods.kivi import HOST_RANGE, gpu_dispatch
 
-from ..integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
+from ..model.integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
 
 from .codec_speed import CODEC_CASES
 from .common import Row, Sizes, make_method, random_model, synthetic_stats, tiny_config

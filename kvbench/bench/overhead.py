@@ -16,9 +16,9 @@ import logging
 import math
 
 from .common import EVAL_CASES, BenchModel, Row, Sizes, attached_around, budget_label, eval_windows, make_method, paired_ratio
-from ..compressed_lm import CompressedLM
-from ..integrate import model_shape
-from ..ppl import window_nll
+from ..model.compressed_lm import CompressedLM
+from ..model.integrate import model_shape
+from ..model.perplexity import window_nll
 
 log = logging.getLogger(__name__)
 

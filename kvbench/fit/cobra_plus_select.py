@@ -1,8 +1,8 @@
-"""The selection of ``cobra_plus``'s defaults on held-out calibration windows (METHODS.md §13, §1.2).
+"""The selection of ``cobra_plus``'s defaults on held-out calibration windows (docs/methods.md §13, §1.2).
 
 ``python -m kvbench.run -m experiment=cobra_plus_select`` runs it (the search is stated in
 conf/experiment/cobra_plus_select.yaml, key ``select``); the job then evaluates the chosen
-configuration on its tasks like any other job. ``python -m kvbench.cobra_plus_select RUNS_DIR``
+configuration on its tasks like any other job. ``python -m kvbench.fit.cobra_plus_select RUNS_DIR``
 rebuilds the table (Markdown + JSON) from the run's ``result.json``.
 
 The search is **coordinate descent in a stated order**, not a full factorial: a stage starts from a
@@ -15,13 +15,13 @@ acts in one track only (``joint_kv``: the KV-track) is searched in a stage at a 
 
 A candidate is scored as a job would use it: built from the job's method options with the
 candidate's switches, configured at the stage's budget, its layer sensitivity (or K/V exchange
-rate) measured on calibration windows when it asks for one (:mod:`kvbench.layer_sensitivity`),
+rate) measured on calibration windows when it asks for one (:mod:`kvbench.fit.layer_sensitivity`),
 calibrated from the job's statistics, and then scored by Q-all perplexity (track A) through the
 compressed model on ``heldout_windows`` held-out windows of the calibration corpus
-(:func:`kvbench.kv_split.heldout`, scored by :func:`kvbench.kv_split._ppl` window by window: they
-overlap no calibration window; never an evaluation set).
+(:mod:`kvbench.fit.heldout`, scored window by window through the protocol of
+:mod:`kvbench.fit.search`: they overlap no calibration window; never an evaluation set).
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * Resuming: each candidate's score is cached in ``$KVBENCH_CACHE/cobra_plus_select`` as soon as it
   is known (keyed by model, method options, budget, seed, calibration spec, windows and
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -49,14 +48,14 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from methods import REGISTRY, Regime, Unsupported, build_method
+from methods import REGISTRY, Regime, build_method
 
-from .cache_files import computed_once, unique_tmp
-from .calibrate import calibrate, sample_request
-from .compressed_lm import CompressedLM
-from .integrate import attach, model_shape
-from .kv_split import _ppl, heldout
-from .models import cache_dir
+from ..context import JobContext
+from ..store.cache import cached_json
+from .heldout import heldout
+from .layer_sensitivity import measure_for
+from .search import fit_candidate, heldout_ppl
+from .statistics import sample_request, statistics
 
 log = logging.getLogger(__name__)
 
@@ -173,56 +172,36 @@ def _wins(row: dict, current: dict) -> int | None:
 class Scorer:
     """Scores candidates on the held-out windows, each once (cache file + memory)."""
 
-    loaded: object  # kvbench.models.LoadedModel
-    stats: list
-    spec: object  # kvbench.calibrate.CalibrationSpec
-    seed: int
-    model_id: str
+    ctx: JobContext
     windows: object  # torch.Tensor [n, seqlen]
     scored: int = 0
     memo: dict = field(default_factory=dict)
 
     def __call__(self, options: dict, stage: Stage) -> dict:
-        blob = json.dumps({"model": self.model_id, "method": METHOD, "version": VERSION, "options": options,
-                           "bpd": [stage.bpd_k, stage.bpd_v], "seed": self.seed, "calibration": asdict(self.spec),
-                           "windows": list(self.windows.shape)}, sort_keys=True, default=str)
-        key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        if key in self.memo:
-            return self.memo[key]
-        path = cache_dir() / "cobra_plus_select" / f"{key}.json"
-        with computed_once(path):
-            if path.exists():
-                out = {**json.loads(path.read_text()), "cache_hit": True}
-            else:
-                out = {**self._score(options, stage), "cache_hit": False}
-                self.scored += 1
-                tmp = unique_tmp(path)
-                tmp.write_text(json.dumps(out, indent=1))
-                tmp.replace(path)
-        self.memo[key] = out
-        return out
+        key = {"model": self.ctx.model_id, "method": METHOD, "version": VERSION, "options": options,
+               "bpd": [stage.bpd_k, stage.bpd_v], "seed": self.ctx.seed, "calibration": asdict(self.ctx.spec),
+               "windows": list(self.windows.shape)}
+        memo_key = json.dumps(key, sort_keys=True, default=str)
+        if memo_key not in self.memo:
+            out = cached_json("cobra_plus_select", key, lambda: self._score(options, stage))
+            self.scored += not out["cache_hit"]
+            self.memo[memo_key] = out
+        return self.memo[memo_key]
 
     def _score(self, options: dict, stage: Stage) -> dict:
-        from .layer_sensitivity import sensitivity_for_job
-
         t0 = time.perf_counter()
-        model = self.loaded.model
         method = build_method(METHOD, **options)
         method.set_regime(Regime("qall", int(self.windows.shape[1])))
         scratch: dict = {}
-        try:
-            method.configure(model_shape(model), stage.bpd_k, stage.bpd_v)
-            if method.wants_layer_sensitivity():
-                sensitivity_for_job(self.loaded, method, self.stats, self.spec, self.seed, self.model_id, {}, scratch)
-            method.calibrate(self.stats, seed=self.seed)
-        except Unsupported as err:
-            return {"ppl": None, "unsupported": str(err), "seconds": time.perf_counter() - t0}
-        comp = attach(model, method)
-        try:
-            lm = CompressedLM(model, self.loaded.tokenizer, comp)
-            window_ppl = [_ppl(lm, w[None]) for w in self.windows]
-        finally:
-            comp.detach()
+
+        def sensitivity(m) -> None:
+            if "layer_sensitivity" in m.searches():
+                measure_for(self.ctx, m, None, scratch)
+
+        unsupported = fit_candidate(self.ctx, method, stage.bpd_k, stage.bpd_v, sensitivity)
+        if unsupported is not None:
+            return {"ppl": None, "unsupported": unsupported, "seconds": time.perf_counter() - t0}
+        window_ppl = [heldout_ppl(self.ctx, method, w[None]) for w in self.windows]
         ppl = math.exp(sum(math.log(p) for p in window_ppl) / len(window_ppl))
         shown = {k: options.get(k) for k in searched_options([stage])}
         log.info("cobra_plus select [%s] %s -> held-out PPL %.3f", stage.name, shown, ppl)
@@ -236,31 +215,32 @@ def searched_options(stages: list[Stage]) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-def stats_with_sample(loaded, stats, spec, model_id: str, options: dict, stages: list[Stage]):
-    """The job's statistics, recomputed (cached) with a larger key/value sample when a candidate
-    asks for more than the job's own method did (e.g. ``step=calibrated`` from a ``gauss`` job)."""
+def stats_with_sample(ctx: JobContext, options: dict, stages: list[Stage]) -> JobContext:
+    """The job's context, its statistics recomputed (cached) with a larger key/value sample when a
+    candidate asks for more than the job's own method did (e.g. ``step=calibrated`` from a
+    ``gauss`` job)."""
     need = 0
     for stage in stages:
         for values in stage.order.values():
             for v in values:
                 need = max(need, sample_request(build_method(METHOD, **{**options, **stage.start, **v})))
-    if need <= spec.sample_tokens:
-        return stats, spec
-    spec = replace(spec, sample_tokens=need)
-    stats, _, _ = calibrate(loaded.model, loaded.tokenizer, model_id, spec)
-    return stats, spec
+    if need <= ctx.spec.sample_tokens:
+        return ctx
+    spec = replace(ctx.spec, sample_tokens=need)
+    stats, _, _ = statistics(ctx.model, ctx.tokenizer, ctx.model_id, spec)
+    return ctx.with_stats(stats, spec)
 
 
-def select(loaded, options: dict, select_cfg, stats, spec, seed: int, model_id: str) -> dict:
+def select(ctx: JobContext, options: dict, select_cfg) -> dict:
     """Run the stated search from the job's method ``options``; the table: {"chosen", "steps",
-    "converged", "search", ...}. ``stats`` must carry the key/value sample every candidate asks
-    for (:func:`stats_with_sample`)."""
+    "converged", "search", ...}. ``ctx.stats`` must carry the key/value sample every candidate
+    asks for (:func:`stats_with_sample`)."""
     t0 = time.perf_counter()
     stages = stages_from_config(select_cfg)
     max_passes = int(select_cfg.get("max_passes", 3))
     n = int(select_cfg.get("heldout_windows", 8))
-    windows = heldout(loaded.tokenizer, spec, n=n)
-    scorer = Scorer(loaded, stats, spec, seed, model_id, windows)
+    windows = heldout(ctx.tokenizer, ctx.spec, n=n)
+    scorer = Scorer(ctx, windows)
     point, steps, converged = dict(options), [], {}
     for stage in stages:
         point, stage_steps, converged[stage.name] = descend(stage, point, scorer, max_passes)
@@ -278,32 +258,30 @@ def select(loaded, options: dict, select_cfg, stats, spec, seed: int, model_id: 
         "converged": converged,
         "steps": steps,
         "heldout_windows": list(windows.shape),
-        "calibration": asdict(spec),
-        "seed": seed,
-        "model_id": model_id,
+        "calibration": asdict(ctx.spec),
+        "seed": ctx.seed,
+        "model_id": ctx.model_id,
         "candidates": len(scorer.memo),
         "scored_now": scorer.scored,
         "seconds": time.perf_counter() - t0,
     }
 
 
-def select_for_job(cfg, loaded, name: str, options: dict, stats, spec, result: dict, timings: dict, out_dir: Path):
-    """(the job's method with the selected switches, not yet configured; the statistics and spec it
-    is calibrated with). The table goes into the result (``cobra_plus_select``) and beside it
-    (``cobra_plus_select.md`` / ``.json``)."""
-    from .job import calibration_model_id
-
+def select_for_job(ctx: JobContext, select_cfg, name: str, options: dict, result: dict, timings: dict,
+                   out_dir: Path):
+    """(the job's method with the selected switches, not yet configured; the context with the
+    statistics and spec it is calibrated with). The table goes into the result
+    (``cobra_plus_select``) and beside it (``cobra_plus_select.md`` / ``.json``)."""
     if name != METHOD:
         raise ValueError(f"select: chooses {METHOD}'s defaults; the job's method is {name!r} (use method={METHOD})")
-    if stats is None:
+    if ctx.stats is None:
         raise ValueError(f"select: {METHOD} needs calibration statistics")
-    model_id = calibration_model_id(cfg, loaded)
-    stats, spec = stats_with_sample(loaded, stats, spec, model_id, options, stages_from_config(cfg.select))
-    table = select(loaded, options, cfg.select, stats, spec, int(cfg.seed), model_id)
+    ctx = stats_with_sample(ctx, options, stages_from_config(select_cfg))
+    table = select(ctx, options, select_cfg)
     timings["select_s"] = table["seconds"]
     result["cobra_plus_select"] = table
     write_table(table, Path(out_dir))
-    return build_method(name, **{**options, **table["chosen"]}), stats, spec
+    return build_method(name, **{**options, **table["chosen"]}), ctx
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -371,7 +349,7 @@ def tables_in(runs_dir: Path) -> list[tuple[Path, dict]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbench.cobra_plus_select", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvbench.fit.cobra_plus_select", description=__doc__.split("\n")[0])
     parser.add_argument("runs_dir", help="a run (or sweep) directory of experiment=cobra_plus_select")
     parser.add_argument("--out", metavar="STEM", help="also write STEM.md and STEM.json (e.g. docs/cobra_plus_select)")
     args = parser.parse_args(argv)

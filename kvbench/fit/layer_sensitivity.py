@@ -1,4 +1,4 @@
-"""Per-layer sensitivity alpha_l for ``cobra_plus`` (METHODS.md §13; KV-COBRA seed limitation 2).
+"""Per-layer sensitivity alpha_l for ``cobra_plus`` (docs/methods.md §13; KV-COBRA seed limitation 2).
 
 The method's probe (:meth:`methods.cobra_plus.CobraPlus.sensitivity_probe`: the method itself at the
 uniform allocation of the job's budget) is applied to one layer's keys (and, in the joint KV-track,
@@ -8,12 +8,13 @@ calibration windows is that layer's measured harm. The method turns it into alph
 the probe's modelled distortion. 1 + L (or 1 + 2L) passes per window. In the joint KV-track the
 K/V exchange rate takes 2 more: the keys' reference on every layer at once, then the values'.
 
-Cached in ``$KVBENCH_CACHE/layer_sensitivity`` (keyed by model, method options, targets, seed,
-calibration spec and :data:`VERSION`), computed once across parallel jobs
-(:func:`kvbench.cache_files.computed_once`), like the calibration statistics; the cost (seconds,
-passes) is recorded in the result, 0 s on a cache hit.
+A measurement, not a search: it is asked for by ``"layer_sensitivity" in method.searches()`` once
+the method is configured. Cached in ``$KVBENCH_CACHE/layer_sensitivity`` (keyed by model, method
+options, targets, seed, calibration spec and :data:`VERSION`) through
+:func:`kvbench.store.cache.cached_json`, like the held-out choices; the cost (seconds, passes) is
+recorded in the result, 0 s on a cache hit.
 
-Decisions where METHODS.md is silent: the windows are the first ``sensitivity_windows`` calibration
+Decisions where docs/methods.md is silent: the windows are the first ``sensitivity_windows`` calibration
 windows (the job's own calibration draw, never an evaluation set), cut to ``sensitivity_seqlen``
 tokens; KL(p_fp16 || p_probe) in float32 log-softmax.
 """
@@ -21,18 +22,16 @@ tokens; KL(p_fp16 || p_probe) in float32 log-softmax.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from .cache_files import computed_once, unique_tmp
-from .calibrate import calibration_windows, spec_fields
-from .integrate import attach
-from .models import cache_dir
+from ..context import JobContext
+from ..model.integrate import attached
+from ..store.cache import cached_json
+from .statistics import calibration_windows, spec_fields
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,8 @@ def measure(model, probe, windows: torch.Tensor, sides, metric: str = "kl", per_
     passes = 0
 
     def probe_loss(ids, ref, layer, side) -> float:
-        comp = attach(model, probe.select(layer, side))
-        try:
+        with attached(model, probe.select(layer, side)):
             logits = model(input_ids=ids, use_cache=False).logits
-        finally:
-            comp.detach()
         return _token_loss(logits, ids, ref, metric)
 
     for w in tqdm(windows, desc="layer sensitivity", unit="window", leave=False):
@@ -90,35 +86,34 @@ def measure(model, probe, windows: torch.Tensor, sides, metric: str = "kl", per_
     return {"increase": inc, "whole": all_layers, "passes": passes, "seconds": time.perf_counter() - t0}
 
 
-def layer_sensitivity(model, tokenizer, method, stats, spec, seed: int, model_id: str) -> dict:
+def layer_sensitivity(ctx: JobContext, method) -> dict:
     """The measurement for ``method`` (configured), from the cache when present; adds "cache_hit"."""
     opts = {k: v for k, v in method_fields(method).items() if k not in NOT_IN_KEY}
-    blob = json.dumps({"model": model_id, "method": method.name, "version": VERSION, "options": opts,
-                       "targets": list(method._ref), "sides": list(method.sensitivity_sides()),
-                       "seed": seed, "calibration": spec_fields(spec)}, sort_keys=True, default=str)
-    path = cache_dir() / "layer_sensitivity" / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
-    with computed_once(path):
-        if path.exists():
-            out = json.loads(path.read_text())
-            log.info("layer sensitivity from cache %s", path)
-            return {**out, "cache_hit": True}
-        windows = calibration_windows(tokenizer, spec)[: int(method.sensitivity_windows), : int(method.sensitivity_seqlen)]
-        probe = method.sensitivity_probe(stats, seed)
-        out = measure(model, probe, windows, method.sensitivity_sides(), method.sensitivity_metric,
+    key = {"model": ctx.model_id, "method": method.name, "version": VERSION, "options": opts,
+           "targets": list(method._ref), "sides": list(method.sensitivity_sides()),
+           "seed": ctx.seed, "calibration": spec_fields(ctx.spec)}
+
+    def compute() -> dict:
+        windows = calibration_windows(ctx.tokenizer, ctx.spec)
+        windows = windows[: int(method.sensitivity_windows), : int(method.sensitivity_seqlen)]
+        probe = method.sensitivity_probe(ctx.stats, ctx.seed)
+        out = measure(ctx.model, probe, windows, method.sensitivity_sides(), method.sensitivity_metric,
                       method.sensitivity_per_layer(), method.sensitivity_whole())
         out.update(windows=list(windows.shape), metric=method.sensitivity_metric)
-        tmp = unique_tmp(path)
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(path)
-    log.info("layer sensitivity: %d passes in %.1f s", out["passes"], out["seconds"])
-    return {**out, "cache_hit": False}
+        log.info("layer sensitivity: %d passes in %.1f s", out["passes"], out["seconds"])
+        return out
+
+    return cached_json("layer_sensitivity", key, compute)
 
 
-def sensitivity_for_job(loaded, method, stats, spec, seed: int, model_id: str, result: dict, timings: dict) -> None:
-    """Measure (or read) alpha's raw data and hand it to ``method``; record it and its cost."""
-    out = layer_sensitivity(loaded.model, loaded.tokenizer, method, stats, spec, seed, model_id)
+def measure_for(ctx: JobContext, method, record: dict | None = None, timings: dict | None = None) -> None:
+    """Measure (or read) alpha's raw data and hand it to ``method``; record it and its cost in
+    ``record`` (the result's ``layer_sensitivity``) and ``timings`` when given."""
+    out = layer_sensitivity(ctx, method)
     info = {"seconds": round(out["seconds"], 3), "passes": out["passes"], "cache_hit": out["cache_hit"],
             "windows": out["windows"], "metric": out["metric"]}
     method.set_layer_sensitivity(out["increase"], info, out["whole"])
-    timings["sensitivity_s"] = 0.0 if out["cache_hit"] else out["seconds"]
-    result["layer_sensitivity"] = {**info, "increase": out["increase"], "whole": out["whole"]}
+    if timings is not None:
+        timings["sensitivity_s"] = 0.0 if out["cache_hit"] else out["seconds"]
+    if record is not None:
+        record["layer_sensitivity"] = {**info, "increase": out["increase"], "whole": out["whole"]}

@@ -1,16 +1,16 @@
-"""Calibration pass: per-KV-head moments of pre-RoPE keys, values and queries (METHODS.md §1.2).
+"""Calibration statistics: per-KV-head moments of pre-RoPE keys, values and queries (docs/methods.md §1.2).
 
 Forward hooks on ``q_proj``, ``k_proj`` and ``v_proj`` accumulate, in float64 per KV head, the
 sums that give μ_K, Σ_K (centered), μ_V, Σ_V and the group query second moment
 M_Q = (1/g) Σ_{h in group} E[q_h q_hᵀ] (uncentered). Windows are drawn GPTQ-style
 (``random.seed(seed)``) from the calibration corpus. Results are cached on disk, keyed by model,
-corpus, window count, window length and seed, so a sweep over budgets calibrates once.
+corpus, window count, window length and seed, so a sweep over budgets collects them once.
 
 A method that asks for it (``calibration_sample_tokens()`` > 0, see :func:`sample_request`) also
 gets a sample of the calibration keys and values themselves, for the calibrated step of
-METHODS.md §1.1b: ``LayerStats.k_sample`` / ``v_sample`` [H, n, d].
+docs/methods.md §1.1b: ``LayerStats.k_sample`` / ``v_sample`` [H, n, d].
 
-Decisions where METHODS.md is silent (the sample):
+Decisions where docs/methods.md is silent (the sample):
 
 * n = min(requested, all calibration tokens) token positions drawn uniformly without replacement
   (``torch.randperm`` seeded by the calibration seed) before the pass, the same positions for every
@@ -21,7 +21,7 @@ Decisions where METHODS.md is silent (the sample):
 * The cache key includes ``sample_tokens`` only when it is > 0, so statistics cached without a
   sample keep their key; a file with a sample is a separate entry.
 
-Separation (METHODS.md §1.2): a spec is checked when it is made
+Separation (docs/methods.md §1.2): a spec is checked when it is made
 (:func:`kvbench.data.text.check_calibration_source`): the corpus is a calibration corpus and the
 split its train split (``wiki_proxy``: its calibration part), else ``ValueError`` naming the valid
 ones. Cache keys (:func:`spec_fields`) name the part of a corpus that kvbench cuts in two.
@@ -41,11 +41,10 @@ from tqdm.auto import tqdm
 
 from methods import LayerStats
 
-from .cache_files import computed_once, unique_tmp
-from .data.text import check_calibration_source, corpus_part, corpus_text
-from .data.windows import encode, random_starts, windows_at
-from .integrate import attention_modules, model_shape
-from .models import cache_dir
+from ..data.text import check_calibration_source, corpus_part, corpus_text
+from ..data.windows import encode, random_starts, windows_at
+from ..model.integrate import attention_modules, model_shape
+from ..store.cache import cache_dir, computed_once, unique_tmp
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ def sample_request(method) -> int:
 
 
 def with_sample(spec: CalibrationSpec, method) -> CalibrationSpec:
-    """``spec`` with the sample ``method`` asks for (what the harness passes to :func:`calibrate`);
+    """``spec`` with the sample ``method`` asks for (what the harness passes to :func:`statistics`);
     a larger ``sample_tokens`` already in the spec (the config's ``calibration``) is kept."""
     return replace(spec, sample_tokens=max(int(spec.sample_tokens), sample_request(method)))
 
@@ -218,10 +217,11 @@ def calibration_windows(tokenizer, spec: CalibrationSpec) -> torch.Tensor:
     return windows_at(ids, calibration_starts(ids.numel(), spec), spec.seqlen)
 
 
-def calibrate(model, tokenizer, model_id: str, spec: CalibrationSpec) -> tuple[list, float, bool]:
+def statistics(model, tokenizer, model_id: str, spec: CalibrationSpec) -> tuple[list, float, bool]:
     """Statistics for ``model`` (from the disk cache when present). Returns (stats, seconds, hit).
+    A method is then fitted to them by its own ``calibrate`` (:class:`methods.KVMethod`).
 
-    Parallel jobs on one cache compute each entry once (:func:`kvbench.cache_files.computed_once`):
+    Parallel jobs on one cache compute each entry once (:func:`kvbench.store.cache.computed_once`):
     the first takes the entry's lock and computes, the others wait and read the file."""
     path = cache_dir() / "calibration" / f"{model_id}-{spec.key(model_id)}.pt"
     if not path.exists():

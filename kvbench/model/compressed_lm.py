@@ -1,27 +1,27 @@
 """A model plus a compression method, seen by the evaluations through three operations.
 
-* ``logits(input_ids)`` — one teacher-forced pass in the Q-all regime (METHODS.md §1.3): every
+* ``logits(input_ids)`` — one teacher-forced pass in the Q-all regime (docs/methods.md §1.3): every
   token's K/V compressed before any query reads it. Perplexity track A, zero-shot log-likelihoods.
 * ``score(context_ids, target_ids)`` — prefill the context exactly, compress its cache, then score
   the targets teacher-forced through the compressed cache with decode semantics (PPL track B,
   SnapKV's zero-shot path). Returns the log-probabilities of the targets.
 * ``generate(input_ids, max_new_tokens, stop_ids)`` — greedy decoding from a compressed cache
   (prefill exact, compress, decode per the method's rules). LongBench.
-* ``generate_split(input_ids, n_context, max_new_tokens, stop_ids)`` — the query-agnostic variant
-  (METHODS.md §9.5): the first ``n_context`` tokens are prefilled exactly and compressed alone, the
+* ``generate_query_agnostic(input_ids, n_context, max_new_tokens, stop_ids)`` — the query-agnostic variant
+  (docs/methods.md §9.5): the first ``n_context`` tokens are prefilled exactly and compressed alone, the
   rest of the prompt goes through the compressed cache with decode semantics, then greedy decoding.
 
 With no compressor (FP16, or ``method=None``) the plain, unpatched model runs.
 
 Forward passes that need only their last rows ask the model for those (``logits_to_keep``,
-:func:`kvbench.integrate.last_logits`): a 31.5k-token prefill keeps one row, not 8-10 GB of
-bf16 logits (issue 15, finding 3).
+:func:`kvbench.model.integrate.last_logits`): a 31.5k-token prefill keeps one row, not 8-10 GB of
+bf16 logits.
 
-Measured bpd (METHODS.md §0, convention v3: one headline rule for every task): each call appends a
+Measured bpd (docs/methods.md §0, convention v3: one headline rule for every task): each call appends a
 :class:`BpdReading` whose ``mean`` is the mean, over the positions whose predictions are scored, of
 the bits the cache held when that prediction was made, divided by (t·N·d). Scored positions:
 ``logits`` — every query position, or the last ``scored`` ones (zero-shot: the continuation);
-``score`` — the targets; ``generate``/``generate_split`` — the generated tokens. The prediction
+``score`` — the targets; ``generate``/``generate_query_agnostic`` — the generated tokens. The prediction
 that the exact prefill itself makes (the first target, the first generated token) is counted at
 the end-of-prefill figure: the protocol's prefill attention is exact (§1.3) and the method's cache
 from then on is what it compressed the prompt to. Beside the headline each prefill-exact reading
@@ -43,7 +43,7 @@ from .integrate import Compressor, cache_argument, last_logits, returned_cache
 
 
 class NotInPass(Unsupported):
-    """The method has no single-pass (Q-all) simulation (SnapKV: METHODS.md §7.4)."""
+    """The method has no single-pass (Q-all) simulation (SnapKV: docs/methods.md §7.4)."""
 
 
 QALL = "Q-all: mean over the scored query positions of the cache each one read"
@@ -230,10 +230,10 @@ class CompressedLM:
         return new
 
     @torch.no_grad()
-    def generate_split(
+    def generate_query_agnostic(
         self, input_ids: torch.Tensor, n_context: int, max_new_tokens: int, stop_ids=()
     ) -> list[int]:
-        """Query-agnostic greedy decoding (METHODS.md §9.5): the first ``n_context`` tokens are
+        """Query-agnostic greedy decoding (docs/methods.md §9.5): the first ``n_context`` tokens are
         prefilled exactly and compressed alone; the rest of the prompt (question, answer prefix,
         chat-template tail) is fed through the compressed cache with decode semantics (one
         multi-token pass: a chunk of T tokens gives what T single-token steps give, methods/base.py),

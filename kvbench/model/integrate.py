@@ -1,6 +1,7 @@
-"""Putting a method into a transformers model (DESIGN.md §2; METHODS.md §1.3).
+"""Putting a method into a transformers model (DESIGN.md §2; docs/methods.md §1.3).
 
-``attach(model, method)`` registers one attention function, ``"kvbench"``, with transformers'
+``with attached(model, method) as comp:`` is how the harness puts a method in a model: it
+registers one attention function, ``"kvbench"``, with transformers'
 ``AttentionInterface`` (and a matching entry in ``AttentionMaskInterface``: the function builds its
 own causal rule, so the mask is not needed; forgetting to register it would make transformers fall
 back to a bidirectional mask for an unknown implementation). Every attention layer then routes its
@@ -66,8 +67,7 @@ def logits_argument(model) -> str | None:
 
 def last_logits(model, n: int = 1) -> dict:
     """Keyword arguments for a forward pass that needs the logits of its last ``n`` positions only
-    (a prefill keeps one row: at 31.5k tokens the full logits are 8-10 GB in bf16, issue 15,
-    finding 3). The logits keep their shape [B, n, V]."""
+    (a prefill keeps one row: at 31.5k tokens the full logits are 8-10 GB in bf16). The logits keep their shape [B, n, V]."""
     name = logits_argument(model)
     return {} if name is None else {name: n}
 
@@ -117,7 +117,7 @@ def _register() -> None:
 
 @dataclass
 class Compressor:
-    """A method attached to a model. Create with :func:`attach`, undo with :meth:`detach`."""
+    """A method attached to a model: what :func:`attached` yields."""
 
     model: torch.nn.Module
     method: KVMethod
@@ -151,7 +151,7 @@ class Compressor:
         return out
 
     def read_bpd(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """bpd_K, bpd_V [T] that each query of the last forward pass read (METHODS.md §0 v2):
+        """bpd_K, bpd_V [T] that each query of the last forward pass read (docs/methods.md §0 v2):
         the bits all layers held when query i read them / ((n0 + i + 1) N d); None when that pass
         was an exact prefill."""
         if not self.last_reads or any(r is None for r in self.last_reads):
@@ -164,7 +164,7 @@ class Compressor:
         return bits_k / elements, bits_v / elements
 
     def measured_bpd(self) -> tuple[float, float]:
-        """bpd_K, bpd_V of the cache after the last pass: stored bits / (T * N * d), METHODS.md §0."""
+        """bpd_K, bpd_V of the cache after the last pass: stored bits / (T * N * d), docs/methods.md §0."""
         bits_k = sum(b[0] for b in self.last_bits)
         bits_v = sum(b[1] for b in self.last_bits)
         tokens = self.last_bits[0][2] if self.last_bits else 0
@@ -198,7 +198,7 @@ class Compressor:
         extra = last_logits(self.model, last) if last else {}
         # An explicit (all-true) 2D padding mask: given position_ids, no mask and no cache,
         # transformers (5.17, 5.24) checks the positions for packed sequences, a device->host sync
-        # per forward pass, i.e. per decode step (issue 15, finding 5). The mask function
+        # per forward pass, i.e. per decode step. The mask function
         # registered for "kvbench" returns None either way.
         mask = torch.ones(input_ids.shape[0], start + t, dtype=torch.bool, device=input_ids.device)
         try:
@@ -248,3 +248,19 @@ def attach(model, method: KVMethod) -> Compressor:
         comp._handles.append(module.register_forward_pre_hook(keep_rope, with_kwargs=True))
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     return comp
+
+
+@contextlib.contextmanager
+def attached(model, method: KVMethod | None):
+    """The block runs ``model`` with ``method`` attached (configured and calibrated) and yields its
+    :class:`Compressor`; on the way out, however it is left, the model is as before. ``method``
+    None (the FP16 baseline) yields None and leaves the model untouched: the plain model is the
+    reference, not the kvbench attention function at 16 bits."""
+    if method is None:
+        yield None
+        return
+    comp = attach(model, method)
+    try:
+        yield comp
+    finally:
+        comp.detach()

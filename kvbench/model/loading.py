@@ -9,17 +9,19 @@ says otherwise.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .cache_files import computed_once
+from ..store.cache import cache_dir, computed_once
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,6 @@ class LoadedModel:
     tokenizer: object
     name: str
     source: str
-
-
-def cache_dir() -> Path:
-    """``$KVBENCH_CACHE``, or ``~/.cache/kvbench`` when it is unset or empty (an empty value would
-    otherwise put the cache in the working directory)."""
-    return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -112,7 +108,7 @@ def convert_smollm2(target: Path) -> Path:
 
 def smollm2_checkpoint() -> Path:
     """The converted checkpoint, converted once under a lock however many jobs start at once
-    (:mod:`kvbench.cache_files`): the others wait and load it."""
+    (:mod:`kvbench.store.cache`): the others wait and load it."""
     target = cache_dir() / "smollm2_135m_instruct"
     if (target / "config.json").exists():
         return target
@@ -172,3 +168,34 @@ def load_model(
         ) from err
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source)
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
+def load_once(mcfg, device: str) -> tuple[LoadedModel, float]:
+    """(the model of config section ``mcfg``, seconds spent loading it): loaded once per process,
+    so that the jobs of a sweep on the basic launcher share it; one model in memory at a time."""
+    key = (mcfg.name, mcfg.get("path"), device, mcfg.get("dtype", "auto"))
+    if key in _LOADED:
+        return _LOADED[key], 0.0
+    t0 = time.perf_counter()
+    _LOADED.clear()
+    _LOADED[key] = load_model(
+        mcfg.name,
+        hf_id=mcfg.get("hf_id"),
+        path=mcfg.get("path"),
+        embedded=bool(mcfg.get("embedded", False)),
+        device=device,
+        dtype=mcfg.get("dtype", "auto"),
+    )
+    return _LOADED[key], time.perf_counter() - t0
+
+
+def free_device_memory() -> None:
+    """Release what a finished (or failed, e.g. CUDA out of memory) job held on the GPU before the
+    next job of an in-process sweep starts: the compressed states and tracebacks are garbage by
+    now, and the caching allocator gives their blocks back."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

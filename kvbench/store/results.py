@@ -19,6 +19,8 @@ from pathlib import Path
 STATUSES = ("ok", "unsupported", "diverged", "failed")
 FINISHED = ("ok", "unsupported", "diverged")
 RESULT_FILE = "result.json"
+#: per-item generations, written beside result.json (they would make it large)
+PREDICTIONS_FILE = "predictions.json"
 #: rw-r--r--: readable by the group and others (a plain ``open(..., "w")`` under umask 022)
 RESULT_MODE = 0o644
 
@@ -36,6 +38,15 @@ def new_result(model: str, method: str, seed: int, target_k, target_v) -> dict:
         "config": {},
         "versions": versions(),
     }
+
+
+def write_result(result: dict, out_dir: Path) -> Path:
+    """The job's files: ``result["predictions"]`` (taken out of the result) into
+    ``predictions.json`` when there are any, the result into ``result.json``; returns its path."""
+    predictions = result.pop("predictions", None)
+    if predictions:
+        write_atomic(Path(out_dir) / PREDICTIONS_FILE, predictions)
+    return write_atomic(Path(out_dir) / RESULT_FILE, result)
 
 
 def _finite_or_none(x):

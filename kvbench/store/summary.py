@@ -21,7 +21,7 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
     ]
     if result.get("static_bytes"):
         rows.append(("static bytes (per model, not in bpd)", f"{result['static_bytes'] / 2**20:.3g} MiB"))
-    for task, t in (b.get("by_task") or {}).items():  # METHODS.md §0 v3, per task
+    for task, t in (b.get("by_task") or {}).items():  # docs/methods.md §0 v3, per task
         end = f"end {_fmt(t.get('end_k'))} / {_fmt(t.get('end_v'))}"
         if "prefill_end_k" in t:
             end += f", end of prefill {_fmt(t['prefill_end_k'])} / {_fmt(t['prefill_end_v'])}"

@@ -3,7 +3,7 @@
 ``wandb.mode`` is ``offline`` by default (no account needed; upload later with
 ``wandb sync runs/<sweep>/*/wandb/offline-run-*``, docs/sweeps.md), ``online`` or ``disabled``.
 Runs are grouped by experiment (``adhoc`` outside one) and named model/method/bpd/seed. The run id
-is derived from the job's identity (``job_id``, kvbench/identity.py) and its experiment, so a job
+is derived from the job's identity (``job_id``, kvbench/store/identity.py) and its experiment, so a job
 that is run again (after a failure, or with ``rerun=true``) updates its own W&B run instead of
 adding a second one. A W&B failure never fails the job, and neither does a wrong ``wandb.mode``:
 both are logged, and result.json is written before W&B is touched.

@@ -1,9 +1,15 @@
-"""Evaluations over a CompressedLM (METHODS.md §9).
+"""Evaluations over a CompressedLM (docs/methods.md §9), registered by name (:mod:`.registry`).
 
-* ``zeroshot`` — lm-eval zero-shot accuracy (§9.2); offline task copies in ``lm_eval_tasks/``.
-* ``longbench`` — LongBench v1, the seven English F1 subsets (§9.3); prompts in
-  ``longbench_prompts``; metric in ``f1``.
-* ``longqa_squad`` — an embedded long-context QA stand-in built from SQuAD (not LongBench).
+* ``ppl`` — perplexity, tracks A and B (§9.1): :mod:`.ppl`.
+* ``zeroshot`` — lm-eval zero-shot accuracy (§9.2) through the HFLM subclass of :mod:`.hflm`;
+  offline task copies in :mod:`.lm_eval_tasks`.
+* ``longbench`` — LongBench v1, the English F1 subsets (§9.3; prompts in :mod:`.longbench_prompts`,
+  metric in :mod:`.f1`), and ``longqa_squad``, an embedded long-context QA stand-in built from SQuAD
+  (not LongBench): :mod:`.longbench`, :mod:`.longqa_squad`.
+* ``ruler`` — RULER through lm-eval's own tasks (§9.4): :mod:`.ruler`.
 
-Modules are imported on demand (lm-eval is slow to import).
+Query-aware and query-agnostic generation (§9.5) share :mod:`.query_protocol`.
 """
+
+from . import ppl, zeroshot, longbench, ruler  # noqa: F401, I001 - registers, in this order
+from .registry import TASKS, headline_bpd, register_task, run_tasks  # noqa: F401

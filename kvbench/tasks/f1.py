@@ -1,4 +1,4 @@
-"""LongBench's answer normalization and token F1 (METHODS.md §9.3).
+"""LongBench's answer normalization and token F1 (docs/methods.md §9.3).
 
 English (``qa_f1_score``): the recipe of ``normalize_answer``, ``f1_score`` and ``qa_f1_score`` in
 THUDM/LongBench ``metrics.py`` (itself the SQuAD v1.1 evaluation script): lowercase, remove
@@ -90,3 +90,8 @@ def qa_f1_zh_score(prediction: str, ground_truth: str) -> float:
 def best_f1_zh(prediction: str, answers: list[str]) -> float:
     """Max of ``qa_f1_zh_score`` over the references."""
     return max((qa_f1_zh_score(prediction, a) for a in answers), default=0.0)
+
+
+def dataset_score(f1s: list[float]) -> float:
+    """eval.py ``scorer``: round(100 * mean, 2)."""
+    return round(100 * sum(f1s) / len(f1s), 2) if f1s else float("nan")

@@ -1,4 +1,4 @@
-"""LongBench v1, the seven English F1 subsets and multifieldqa_zh (METHODS.md §9.3).
+"""LongBench v1, the seven English F1 subsets and multifieldqa_zh (docs/methods.md §9.3).
 
 Follows THUDM/LongBench ``pred.py`` and ``eval.py``:
 
@@ -17,7 +17,7 @@ Follows THUDM/LongBench ``pred.py`` and ``eval.py``:
   ``qa_f1_score`` (``qa_f1_zh_score``, jieba words, on multifieldqa_zh) over its answers; a dataset
   scores ``round(100 * mean, 2)``; ``avg`` is the mean of the English F1 scores (over all seven:
   "LongBench F1") and, when multifieldqa_zh was run, ``avg8`` the mean over the English sets and
-  multifieldqa_zh (all eight: the "8-set mean"). Decisions where METHODS.md is silent: both means
+  multifieldqa_zh (all eight: the "8-set mean"). Decisions where docs/methods.md is silent: both means
   are over the sets that were run (``avg_sets``/``avg8_sets`` name them); ``avg`` never includes
   multifieldqa_zh, so "LongBench F1" keeps its meaning whichever sets are added.
 
@@ -38,11 +38,13 @@ import time
 import zipfile
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
-from .f1 import best_f1, best_f1_zh
-from .query_split import protocol
+from .f1 import best_f1, best_f1_zh, dataset_score
+from .generation import apply_chat, context_window, generate_with_protocol, stop_token_ids
+from .longqa_squad import evaluate_longqa_squad
+from .query_protocol import protocol, query_aware_setting, template_tail
+from .registry import register_task, task_limit
 from .longbench_prompts import (
     CHINESE_F1,
     DATASET2MAXLEN,
@@ -151,16 +153,6 @@ def truncate_middle(prompt: str, tokenizer, max_length: int) -> tuple[str, bool]
     return head + tail, True
 
 
-def apply_chat(tokenizer, prompt: str) -> str:
-    """One user turn through the tokenizer's chat template, ready for the assistant's answer."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "chat=True but the tokenizer has no chat template; set the model's `chat: false`"
-        )
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 def uses_chat(dataset: str, chat: bool) -> bool:
     return bool(chat) and dataset not in NO_CHAT
 
@@ -180,19 +172,6 @@ def build_prompt(item: dict, dataset: str, tokenizer, max_length: int, chat: boo
     return {"text": prompt, "input_ids": ids, "truncated": truncated, "chat": with_chat}
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """The EOS ids ``model.generate`` would stop at (generation config, then tokenizer)."""
-    ids: list[int] = []
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
-        if value is None:
-            continue
-        for i in value if isinstance(value, (list, tuple)) else [value]:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids
-
-
 # ------------------------------------------------------------------------------- scoring
 
 
@@ -207,11 +186,6 @@ def score_item(dataset: str, prediction: str, answers: list[str]) -> float:
     """eval.py's ``dataset2metric``: ``qa_f1_zh_score`` on multifieldqa_zh, else ``qa_f1_score``."""
     scorer = best_f1_zh if dataset in CHINESE_F1 else best_f1
     return scorer(postprocess(dataset, prediction), answers)
-
-
-def dataset_score(f1s: list[float]) -> float:
-    """eval.py ``scorer``: round(100 * mean, 2)."""
-    return round(100 * sum(f1s) / len(f1s), 2) if f1s else float("nan")
 
 
 def mean_score(scores: dict[str, float], sets) -> tuple[float, list[str]]:
@@ -234,45 +208,6 @@ def summary_means(scores: dict[str, float]) -> dict:
 # ---------------------------------------------------------------------------- evaluation
 
 
-def generate_answer(lm, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> str:
-    ids = torch.tensor([input_ids], dtype=torch.long)
-    new = lm.generate(ids, max_new_tokens, stop_ids)
-    return lm.tokenizer.decode(new, skip_special_tokens=True)
-
-
-def generate_with_protocol(
-    lm, text: str, input_ids: list[int], tail: str, add_special_tokens: bool,
-    max_new_tokens: int, stop_ids: list[int], query_aware: bool,
-) -> tuple[str, dict]:
-    """The answer under METHODS.md §9.5's protocol, and ``{"protocol_used", "context_tokens"}``.
-
-    Query-aware: :func:`generate_answer` (unchanged). Query-agnostic: the same ids cut where
-    ``tail`` (the template's text after ``{context}``, filled) starts in ``text``; the context is
-    prefilled and compressed alone, the tail goes through the compressed cache with decode
-    semantics (``CompressedLM.generate_split``). A tail not found in ``text`` (truncation cut into
-    it) is generated query-aware, and the record says so."""
-    from .query_split import protocol, split_ids, tail_start
-
-    if query_aware:
-        return generate_answer(lm, input_ids, max_new_tokens, stop_ids), {
-            "protocol_used": protocol(True), "context_tokens": len(input_ids)}
-    ids, n_context = split_ids(lm.tokenizer, text, tail_start(text, tail), add_special_tokens)
-    if ids != list(input_ids):
-        raise RuntimeError("query-agnostic split: the prompt tokenizes differently with offsets")
-    if n_context >= len(ids):
-        log.warning("question not found in the prompt: generated query-aware")
-        return generate_answer(lm, input_ids, max_new_tokens, stop_ids), {
-            "protocol_used": protocol(True), "context_tokens": len(input_ids)}
-    new = lm.generate_split(torch.tensor([ids], dtype=torch.long), n_context, max_new_tokens, stop_ids)
-    text_out = lm.tokenizer.decode(new, skip_special_tokens=True)
-    return text_out, {"protocol_used": protocol(False), "context_tokens": n_context}
-
-
-def context_window(model) -> int | None:
-    """The positions the model was trained for (``max_position_embeddings``), if it says."""
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
-
-
 def fit_context(max_length: int, max_new_tokens: int, window: int | None, dataset: str = "") -> int:
     """``max_length`` lowered so that prompt + answer fit the model's window.
 
@@ -290,8 +225,6 @@ def fit_context(max_length: int, max_new_tokens: int, window: int | None, datase
 def evaluate_dataset(
     lm, dataset: str, items: list[dict], max_length: int, chat: bool, query_aware: bool = True
 ) -> list[dict]:
-    from .query_split import template_tail
-
     stop_ids = stop_token_ids(lm.model, lm.tokenizer)
     max_length = fit_context(max_length, DATASET2MAXLEN[dataset], context_window(lm.model), dataset)
     records = []
@@ -326,10 +259,10 @@ def evaluate_longbench(
     chat: bool = False,
     query_aware: bool = True,
 ) -> dict:
-    """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (METHODS.md §9.3).
+    """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (docs/methods.md §9.3).
 
     ``query_aware`` (default, the paper's protocol) prefills the whole prompt; ``False`` is the
-    query-agnostic protocol of METHODS.md §9.5 (:func:`generate_with_protocol`). The result's
+    query-agnostic protocol of docs/methods.md §9.5 (:func:`generate_with_protocol`). The result's
     ``protocol`` says which.
 
     Returns ``{name: score (0-100), "avg": mean of the English scores, "avg_sets", ["avg8": the
@@ -362,3 +295,26 @@ def evaluate_longbench(
         "protocol": protocol(bool(query_aware)),
         "eval_s": round(time.perf_counter() - t0, 2),
     }
+
+
+@register_task("longbench")
+def run_longbench(job, lm, result: dict) -> None:
+    """``task.longbench.datasets``: LongBench subsets, and ``longqa_squad`` (the embedded stand-in),
+    query-aware unless ``task.longbench.query_aware=false``."""
+    lb = job.task.longbench
+    datasets = list(lb.datasets)
+    real = [d for d in datasets if d != "longqa_squad"]
+    query_aware = query_aware_setting(lb, "task.longbench", True)
+    if "longqa_squad" in datasets:
+        # the task's own item seed, never the job's: every method and job seed gets the same items
+        out = evaluate_longqa_squad(lm, n_items=task_limit(job, lb) or 20,
+                                    item_seed=int(lb.get("item_seed", 0)), query_aware=query_aware)
+        result["predictions"]["longqa_squad"] = out.pop("records")
+        result["counts"]["longqa_squad_items"] = out["n"]
+        result["metrics"]["longqa_squad"] = out
+    if real:
+        out = evaluate_longbench(lm, real, lb.get("data_dir"), task_limit(job, lb), lb.max_length,
+                                 bool(job.model.chat), query_aware=query_aware)
+        result["predictions"]["longbench"] = out.pop("records")
+        result["counts"]["longbench_items"] = out.pop("counts")
+        result["metrics"]["longbench"] = out

@@ -1,10 +1,10 @@
 """LongBench v1 prompt templates and generation lengths for the eight F1 subsets.
 
 The seven English subsets scored with ``qa_f1_score`` and ``multifieldqa_zh`` scored with
-``qa_f1_zh_score`` (METHODS.md §9.3).
+``qa_f1_zh_score`` (docs/methods.md §9.3).
 
 Copied verbatim from THUDM/LongBench ``config/dataset2prompt.json`` and
-``config/dataset2maxlen.json`` (METHODS.md §9.3), as released with LongBench v1 and as used by
+``config/dataset2maxlen.json`` (docs/methods.md §9.3), as released with LongBench v1 and as used by
 KIVI, SnapKV and lm-eval's ``longbench`` tasks — including the release's "asconcisely" (sic) in
 the NarrativeQA prompt. A later commit of the repository spells it "as concisely"; keeping the
 release text keeps our FP16 rows comparable with the published baselines.

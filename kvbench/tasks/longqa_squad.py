@@ -11,7 +11,7 @@ is never imported):
   (default 2000–4000 tokens of the model's tokenizer, chat wrapper excluded);
 * the prompt is LongBench's single-document QA format (``multifieldqa_en`` of
   ``dataset2prompt.json``) with paragraphs separated by blank lines; chat template as LongBench
-  for instruct models; greedy, at most 32 new tokens, stop at EOS (METHODS.md §9.3 mechanics);
+  for instruct models; greedy, at most 32 new tokens, stop at EOS (docs/methods.md §9.3 mechanics);
 * score: LongBench's ``qa_f1_score``, max over the gold answers; the task scores
   round(100 · mean, 2).
 
@@ -19,7 +19,7 @@ Items are a pure function of (item seed, n_items, target_tokens, tokenizer). The
 the task's own (``task.longbench.item_seed``, default 0), never the job seed: every method and
 every job seed is scored on the same questions, so differences between cells are paired, not
 item noise (≈10 F1 at n=20). The result records the item seed and the question ids.
-Decision where METHODS.md is silent: the item seed is fixed at 0 by default; another value draws
+Decision where docs/methods.md is silent: the item seed is fixed at 0 by default; another value draws
 another fixed sample for every job alike.
 """
 
@@ -36,9 +36,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .longbench import apply_chat, dataset_score, generate_with_protocol, stop_token_ids
-from .query_split import protocol, template_tail
-from .f1 import best_f1
+from .f1 import best_f1, dataset_score
+from .generation import apply_chat, generate_with_protocol, stop_token_ids
+from .query_protocol import protocol, template_tail
 from .longbench_prompts import DATASET2PROMPT
 
 PROMPT = DATASET2PROMPT["multifieldqa_en"]
@@ -172,7 +172,7 @@ def evaluate_longqa_squad(
     ``chat=None`` uses the chat template when the tokenizer has one (instruct models).
     ``query_aware`` (default) prefills the whole prompt; ``False`` compresses the passages alone
     and feeds the question (the template's text after ``{context}``) with decode semantics
-    (METHODS.md §9.5, :func:`kvbench.evals.longbench.generate_with_protocol`).
+    (docs/methods.md §9.5, :func:`kvbench.tasks.generation.generate_with_protocol`).
     Returns ``{"f1", "n", "records", "item_seed", "item_ids", "target_tokens", "chat",
     "protocol", "eval_s"}``.
     """

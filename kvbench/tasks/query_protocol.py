@@ -1,16 +1,16 @@
-"""Query-aware vs query-agnostic generation: where a prompt's context ends (METHODS.md §9.5).
+"""Query-aware vs query-agnostic generation: where a prompt's context ends (docs/methods.md §9.5).
 
 * **query-aware** (the SnapKV/KIVI/LongBench papers; kvbench's default for LongBench and
   ``longqa_squad``): the whole prompt, question included, is prefilled exactly, then compressed;
 * **query-agnostic** (kvpress's protocol; kvbench's default for RULER): the context alone is
   prefilled exactly and compressed, then the question, the answer prefix and the chat template's
   tail are fed through the compressed cache with decode semantics, then greedy generation
-  (:meth:`kvbench.compressed_lm.CompressedLM.generate_split`).
+  (:meth:`kvbench.model.compressed_lm.CompressedLM.generate_query_agnostic`).
 
 Both protocols see the same token ids: the prompt is tokenized once, as the query-aware path
 always did, and the query-agnostic path cuts those ids at the first token that ends after the
-character where the question starts (:func:`split_ids`). So for FP16 the two differ by float
-noise only (METHODS.md §9.5: "for FP16 the two are identical").
+character where the question starts (:func:`cut_at_question`). So for FP16 the two differ by float
+noise only (docs/methods.md §9.5: "for FP16 the two are identical").
 
 Where the question starts (the "tail" of a prompt, found with :func:`tail_start`):
 
@@ -24,7 +24,7 @@ Where the question starts (the "tail" of a prompt, found with :func:`tail_start`
   words`` (cwe), ``Question: Do not provide any explanation.`` (fwe), ``Answer the question based
   on the given documents.`` (qa: its second, post-context occurrence).
 
-Decisions where METHODS.md is silent: the tail is located in the final text (chat template
+Decisions where docs/methods.md is silent: the tail is located in the final text (chat template
 applied, truncation done) by its *last* occurrence; a token that straddles the boundary goes to
 the question (the compressed context never holds a question character); a prompt whose tail cannot
 be found (LongBench middle truncation cutting into a question longer than half the window) is
@@ -64,6 +64,13 @@ def as_bool(value, name: str) -> bool:
     raise ValueError(f"{name}={value!r}; valid choices: true (query-aware), false (query-agnostic)")
 
 
+def query_aware_setting(section, name: str, default: bool) -> bool:
+    """The protocol a task section asks for (``task.<name>.query_aware``; absent or null: the
+    task's default)."""
+    value = section.get("query_aware", None) if section is not None else None
+    return default if value is None else as_bool(value, f"{name}.query_aware")
+
+
 def ruler_family(task: str) -> str:
     """``niah_single_2`` -> ``niah``; ``ruler_vt``/``vt`` -> ``vt``; ``ruler_qa_squad`` -> ``qa``."""
     name = task[len("ruler_"):] if task.startswith("ruler_") else task
@@ -96,7 +103,7 @@ def tail_start(text: str, tail: str) -> int | None:
     return None if pos < 0 else pos
 
 
-def split_ids(tokenizer, text: str, char_pos: int | None, add_special_tokens: bool) -> tuple[list[int], int]:
+def cut_at_question(tokenizer, text: str, char_pos: int | None, add_special_tokens: bool) -> tuple[list[int], int]:
     """``text`` tokenized once, and how many leading tokens are context: those that end at or
     before ``char_pos`` (a token straddling it counts as question). ``char_pos=None``: all."""
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)

@@ -1,9 +1,9 @@
-"""RULER through lm-eval's own task definitions, on a compressed model (METHODS.md §9.4, §9.5).
+"""RULER through lm-eval's own task definitions, on a compressed model (docs/methods.md §9.4, §9.5).
 
 The 13 tasks of ``lm_eval/tasks/ruler`` (niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
 niah_multiquery, vt, cwe, fwe, qa_squad, qa_hotpot) run with lm-eval's generators, templates,
 ``gen_prefix``, generation lengths and scorers (``string_match_all``; ``string_match_part`` for
-QA), through ``simple_evaluate`` on the HFLM subclass of :mod:`kvbench.evals.zeroshot`, whose
+QA), through ``simple_evaluate`` on the HFLM subclass of :mod:`kvbench.tasks.hflm`, whose
 ``generate_until`` decodes greedily through ``CompressedLM`` (prefill exact, compress, decode).
 
 Each local task is a YAML that ``include``s lm-eval's own task file and changes two things:
@@ -38,9 +38,9 @@ same either way. ``task.ruler.item_seed=<int>`` instead seeds each (task, length
 job seed gets the same items; the result records which (``items``, ``item_seed``). ``limit=null``
 keeps 500.
 
-**Protocol** (METHODS.md §9.5): query-agnostic by default (kvpress's), ``task.ruler.query_aware=
+**Protocol** (docs/methods.md §9.5): query-agnostic by default (kvpress's), ``task.ruler.query_aware=
 true`` for query-aware; the question starts at the last match of kvpress's pattern for the task
-family (:mod:`kvbench.evals.query_split`).
+family (:mod:`kvbench.tasks.query_protocol`).
 
 **Lengths**: ``task.ruler.lengths`` (any list); a length above the model's window
 (``max_position_embeddings``) is refused. RULER sizes ``input + max new tokens`` to at most the
@@ -52,7 +52,7 @@ below it; the model reads the input plus the chat template and ``gen_prefix``
 ``avg`` at each length is the unweighted mean over the tasks that ran (lm-eval's ``ruler`` group
 aggregate, ``weight_by_size: False``); top level: each task's mean over lengths and their mean.
 
-Decisions where METHODS.md is silent: the item cap and per-(task, length) seeding above (in one
+Decisions where docs/methods.md is silent: the item cap and per-(task, length) seeding above (in one
 ``lm_eval`` call with several tasks or lengths the global state runs on from one to the next, so
 its later tasks' items depend on which ran before; here a task's items never do); the chat template
 follows the model config (``chat``, as LongBench); SQuAD v1.1 as the offline qa_squad source.
@@ -77,6 +77,9 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+
+from .query_protocol import query_aware_setting
+from .registry import register_task, task_limit
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +374,7 @@ def ensure_punkt() -> Path | None:
         return None
     except LookupError:
         pass
-    from ..models import cache_dir
+    from ..store.cache import cache_dir
 
     root = cache_dir() / "nltk_data"
     if str(root) not in nltk.data.path:
@@ -506,9 +509,9 @@ def _quiet_custom_dataset():
         logger.removeFilter(flt)
 
 
-def query_start(req) -> int | None:
+def question_start(req) -> int | None:
     """Character index in the request's context where the RULER question starts."""
-    from .query_split import ruler_question, tail_start
+    from .query_protocol import ruler_question, tail_start
 
     task = LM_EVAL_TO_TASK.get(req.task_name, req.task_name)
     question = ruler_question(task, req.doc["input"])
@@ -596,7 +599,7 @@ def evaluate_ruler(
     chat: bool | None = None,
     offline: str | bool = "auto",
 ) -> dict:
-    """RULER scores of ``lm`` (a CompressedLM), METHODS.md §9.4.
+    """RULER scores of ``lm`` (a CompressedLM), docs/methods.md §9.4.
 
     Returns ``{"benchmark": "ruler" | "ruler_wiki", <task>: score (0-100, mean over lengths),
     "avg", "by_length": {"4096": {<task>: score, "avg"}}, "tasks", "lengths", "skipped",
@@ -607,8 +610,8 @@ def evaluate_ruler(
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from .longbench import context_window
-    from .query_split import protocol
+    from .generation import context_window
+    from .query_protocol import protocol
     from .zeroshot import compressed_hflm, quiet_lm_eval, resolve_offline
 
     t0 = time.perf_counter()
@@ -634,7 +637,7 @@ def evaluate_ruler(
                               metadata={"max_seq_lengths": lengths})
         hflm = compressed_hflm(lm, max_length=window)
         hflm.query_aware = bool(query_aware)
-        hflm.query_split = query_start
+        hflm.question_start = question_start
         out = simple_evaluate(
             model=hflm,
             tasks=[RULER_TASKS[t].lm_eval_name for t in run],
@@ -672,3 +675,27 @@ def evaluate_ruler(
         if name in RULER_TASKS:
             log.info("ruler %s: %.2f", name, score)
     return result
+
+
+@register_task("ruler")
+def run_ruler(job, lm, result: dict) -> None:
+    """RULER (``ruler``, or ``ruler_wiki`` on stand-in data); query-agnostic unless
+    ``task.ruler.query_aware=true``; the task's own item seed, never the job's."""
+    r = job.task.get("ruler") or {}
+    tasks = r.get("tasks")
+    out = evaluate_ruler(
+        lm,
+        tasks=None if tasks is None else list(tasks),
+        lengths=list(r.get("lengths", [4096])),
+        limit=task_limit(job, r),
+        query_aware=query_aware_setting(r, "task.ruler", False),
+        essays=r.get("essays"),
+        squad=r.get("squad"),
+        hotpot=r.get("hotpot"),
+        item_seed=r.get("item_seed"),
+        chat=bool(job.model.chat) if r.get("chat") is None else bool(r.get("chat")),
+    )
+    name = out["benchmark"]
+    result["predictions"][name] = out.pop("records")
+    result["counts"][f"{name}_items"] = out["counts"]
+    result["metrics"][name] = out

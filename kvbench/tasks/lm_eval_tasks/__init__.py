@@ -1,4 +1,4 @@
-"""Offline copies of lm-eval's zero-shot tasks (METHODS.md §9.2; DESIGN.md §5, §6).
+"""Offline copies of lm-eval's zero-shot tasks (docs/methods.md §9.2; DESIGN.md §5, §6).
 
 Each local task is a YAML that ``include``s lm-eval's OWN task YAML (by absolute path, so the
 task's prompt, choices, metrics and any ``!function utils.*`` helpers are lm-eval's, resolved next
@@ -43,7 +43,7 @@ LOCAL_TASKS: dict[str, LocalTask] = {
         "super_glue/boolq/default.yaml",
         "boolq/none",
         "validation",
-        {"process_docs": "kvbench.evals.lm_eval_tasks.local_docs.boolq_answer_to_label"},
+        {"process_docs": "kvbench.tasks.lm_eval_tasks.local_docs.boolq_answer_to_label"},
     ),
 }
 

@@ -1,0 +1,56 @@
+"""JobContext: what every step after loading reads, passed as one object.
+
+The fitting steps (:mod:`kvbench.fit`: the K/V split, compose's budget share, cobra_plus's
+selection, the layer sensitivity) all need the same things: the model and its tokenizer, the
+identity its cached statistics belong to, the calibration spec and its statistics, the seed and
+the regime the measured bpd is taken over. They read them here, never from the job, so that
+nothing below :mod:`kvbench.job` depends on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from methods import ModelShape, Regime
+
+from .model.integrate import model_shape
+from .model.loading import LoadedModel
+
+
+def model_id(loaded: LoadedModel, name: str) -> str:
+    """What cached statistics and held-out choices belong to: the model's weights (by source) and
+    dtype."""
+    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
+    digest = hashlib.sha256(loaded.source.encode()).hexdigest()[:8]
+    return f"{name}-{digest}-{dtype}"
+
+
+@dataclass(frozen=True)
+class JobContext:
+    loaded: LoadedModel
+    model_id: str
+    spec: Any  # kvbench.fit.statistics.CalibrationSpec
+    seed: int
+    regime: Regime
+    stats: list | None = None  # per-layer LayerStats; None for a method that needs none
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, name: str, spec, seed: int, regime: Regime) -> "JobContext":
+        return cls(loaded, model_id(loaded, name), spec, seed, regime)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def shape(self) -> ModelShape:
+        return model_shape(self.loaded.model)
+
+    def with_stats(self, stats: list | None, spec=None) -> "JobContext":
+        return replace(self, stats=stats, spec=self.spec if spec is None else spec)

@@ -1,0 +1,57 @@
+"""The held-out search protocol, shared by every free parameter the harness chooses.
+
+A search has **candidates** (a list of labelled method configurations); each is **fitted** like the
+job would fit it (configured at its budget, calibrated from the job's statistics) and, when it can
+be, **scored** by perplexity through the compressed model on held-out windows
+(:mod:`kvbench.fit.heldout`). A candidate the method cannot reach (``Unsupported``) is **recorded**
+as such and never chosen; none reachable is ``Unsupported`` for the job. The lowest perplexity
+wins, ties broken by each search's stated rule. The outcome, every candidate included, is
+**cached** as JSON (:func:`kvbench.store.cache.cached_json`) keyed by what determines it, and
+recorded in the result.
+
+Users: :mod:`.kv_split` (``v_bpd=auto``), :mod:`.budget_share` (compose's ``split``),
+:mod:`.cobra_plus_select` (per candidate, since its coordinate descent revisits points).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from methods import Unsupported
+
+from ..context import JobContext
+from ..model.compressed_lm import CompressedLM
+from ..model.integrate import attached
+from ..model.perplexity import perplexity
+
+
+def fit_candidate(ctx: JobContext, method, bpd_k: float | None, bpd_v: float | None,
+                  before_calibration: Callable[[object], None] | None = None) -> str | None:
+    """Configure ``method`` at (bpd_k, bpd_v) and calibrate it from ``ctx.stats`` when it needs
+    them; ``before_calibration(method)`` runs in between (a measurement the fit uses). Returns
+    None, or the message of the ``Unsupported`` that stopped it."""
+    try:
+        method.configure(ctx.shape, bpd_k, bpd_v)
+        if before_calibration is not None:
+            before_calibration(method)
+        if method.needs_calibration:
+            method.calibrate(ctx.stats, seed=ctx.seed)
+    except Unsupported as err:
+        return str(err)
+    return None
+
+
+def heldout_ppl(ctx: JobContext, method, windows, track: str = "A", context: int | None = None) -> float:
+    """Perplexity of ``windows`` through the model with ``method`` attached."""
+    with attached(ctx.model, method) as comp:
+        return perplexity(CompressedLM(ctx.model, ctx.tokenizer, comp), windows, track, context)
+
+
+def lowest(scored: list[dict], tie: Callable[[dict], object], none_reachable: str) -> dict:
+    """The reachable candidate with the lowest finite ``ppl`` (then the lowest ``tie(c)``);
+    ``Unsupported(none_reachable)`` when there is none."""
+    ok = [c for c in scored if c["ppl"] is not None and math.isfinite(c["ppl"])]
+    if not ok:
+        raise Unsupported(none_reachable)
+    return min(ok, key=lambda c: (c["ppl"], tie(c)))
