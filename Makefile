@@ -27,7 +27,9 @@ run: setup
 TEST_JOBS ?= 2
 PYTEST    := $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 
+# The import rules of .importlinter first (a second), then the tests.
 test: setup
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 	$(PYTEST)
 
 # The `numerics` tests (not `slow`) once per CPU kernel set ATen can dispatch to here
