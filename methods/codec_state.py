@@ -18,7 +18,8 @@ import torch
 
 from .attention import causal_attention
 from .base import LayerState, Rope, apply_rope
-from .kivi import Growing, host_ops
+from .bookkeeping import host_ops
+from .buffers import Growing
 
 
 class Codec:
@@ -151,11 +152,11 @@ _EXACT = ExactCodec()
 def cumulative_bits(prior: float, runs: list[tuple[int, float]]) -> torch.Tensor:
     """Bits held after each new token, float64 CPU [sum of tokens]: ``prior`` plus the runs'
     bits (tokens, bits), spread evenly over each run's tokens. One run is a straight line (one
-    op, on the host: :func:`methods.kivi.host_ops`); one token (a decode step) no tensor
+    op, on the host: :func:`methods.bookkeeping.host_ops`); one token (a decode step) no tensor
     arithmetic at all."""
     if len(runs) == 1 and runs[0][0] == 1:
         return torch.tensor([prior + runs[0][1]], dtype=torch.float64)
-    with host_ops():  # CPU tensors: no kernel on a GPU (methods.kivi.HOST_RANGE)
+    with host_ops():  # CPU tensors: no kernel on a GPU (methods.bookkeeping.HOST_RANGE)
         if len(runs) == 1:
             n, b = runs[0]
             return torch.linspace(prior + b / n, prior + b, n, dtype=torch.float64)

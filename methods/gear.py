@@ -101,8 +101,10 @@ import torch
 
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Regime, Unsupported, held_bits, query_positions
+from .bookkeeping import host_ops
+from .buffers import Growing, row_elements
 from .groupquant import fp16_scale_min
-from .kivi import Growing, host_ops, row_elements, scored_reads
+from .kivi import scored_reads
 from .packing import pack_bits, unpack_bits
 
 FIT_BITS = tuple(range(1, 9))

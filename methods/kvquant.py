@@ -107,8 +107,8 @@ import torch
 
 from .attention import work_dtype
 from .base import KVMethod, ModelShape, Regime, Unsupported
+from .bookkeeping import host_ops
 from .codec_state import Codec, CodecLayerState, ExactCodec, codecs_static_bytes
-from .kivi import host_ops
 from .latent_codec import SAMPLE_TOKENS
 from .packing import pack_bits, unpack_bits
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from .attention import causal_attention, causal_mask, expand_kv
 from .base import KVMethod, LayerState, Unsupported
+from .buffers import Growing
 from .codec_state import cumulative_bits
-from .kivi import Growing
 from .sparsifier import (
     grouped_logits,
     round_half_up,

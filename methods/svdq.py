@@ -66,18 +66,11 @@ import torch
 
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
+from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attention
+from .bookkeeping import host_ops, one_read
+from .buffers import Growing, SideStore, row_elements
 from .groupquant import GroupPacked, fp16_scale_min, quantize_dequantize_groups
-from .kivi import (
-    SDPA_MIN_QUERIES,
-    Growing,
-    _one_read,
-    row_elements,
-    _SideStore,
-    blocked_attention,
-    grid_choice,
-    host_ops,
-    mixed_attention,
-)
+from .kivi import grid_choice
 from .packing import pack_bits
 
 N_GROUPS = 8
@@ -249,7 +242,7 @@ class SVDqLayerState(LayerState):
     #: the fp16 buffer's pre-RoPE keys and their (cos, sin), in arrival chunks, until a group
     #: completes (one decode step appends a view: no copy)
     pending: list = field(default_factory=list)
-    v: _SideStore = field(default_factory=_SideStore)
+    v: SideStore = field(default_factory=SideStore)
     v_exact: Growing = field(default_factory=Growing)
     basis_bits: int = 0
     _seen: int = 0
@@ -373,7 +366,7 @@ class SVDqLayerState(LayerState):
         if t == 1:  # a decode step: Python numbers
             bits_k = held_bits(n0 + 1, g * (n0 // g), per_token, 16.0 * row, self.basis_bits)
             bits_v = (n0 + 1) * 16.0 * row if self.v_bits is None else self.v.reads(n0 + 1, n0 + 1, row)
-            return _one_read(bits_k), _one_read(bits_v)
+            return one_read(bits_k), one_read(bits_v)
         p = query_positions(n0, t)
         bits_k = held_bits(p + 1, g * torch.floor(p / g), per_token, 16.0 * row, self.basis_bits)
         if self.v_bits is None:

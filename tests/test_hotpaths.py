@@ -29,7 +29,7 @@ from kvbench.model.integrate import attach, logits_argument, model_shape
 from methods.attention import causal_attention, expand_kv
 from methods.base import ModelShape, Regime
 from methods.h2o import H2O, H2OLayerState
-from methods.kivi import Growing
+from methods.buffers import Growing
 from methods.sparsifier import attention_column_sums
 from test_h2o import h2o_reference, kept_lists, make_qkv
 
@@ -471,7 +471,7 @@ def _blocked_case(n0, tq, kb, with_prefix, two_values, dtype=torch.float64):
 def test_blocked_attention_is_one_sdpa_call_equal_to_the_eager_mix(n0, tq, kb, with_prefix, two_values):
     """KIVI/SVDq's chunk attention: one fused call with one mask for all key groups, equal in
     float64 to the eager per-(query, key) mix of §2.3 and to the per-group loop."""
-    from methods.kivi import blocked_attention, grouped_attention, mixed_attention
+    from methods.blocked_attention import blocked_attention, grouped_attention, mixed_attention
 
     args = _blocked_case(n0, tq, kb, with_prefix, two_values)
     q, kp, k_ex, k_hat, _, vp, v_ex, v_hat, window, scaling = args
@@ -491,7 +491,7 @@ def test_blocked_attention_is_one_sdpa_call_equal_to_the_eager_mix(n0, tq, kb, w
 
 def test_blocked_attention_ops_do_not_grow_with_the_key_groups():
     from kvbench.bench import opcount
-    from methods.kivi import blocked_attention
+    from methods.blocked_attention import blocked_attention
 
     counts = []
     for tq in (64, 512):
@@ -560,7 +560,7 @@ def test_rotated_value_codec_reads_what_it_stores(model_and_stats, v_bpd):
 def test_long_cpu_chunks_take_the_group_loop_unless_counted_as_a_gpu():
     """On the CPU a chunk longer than CPU_SINGLE_CALL_QUERIES takes the per-group loop (fewer
     FLOPs); the op count (``gpu_dispatch``) counts the single call a GPU makes. Same result."""
-    from methods.kivi import CPU_SINGLE_CALL_QUERIES, blocked_attention, gpu_dispatch
+    from methods.blocked_attention import CPU_SINGLE_CALL_QUERIES, blocked_attention, gpu_dispatch
 
     args = _blocked_case(0, CPU_SINGLE_CALL_QUERIES + 64, 64, False, True)
     sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"

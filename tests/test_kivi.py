@@ -85,12 +85,12 @@ def test_chunk_equals_token_by_token_and_reference():
 
 
 def test_query_blocking_is_exact(monkeypatch):
-    import methods.kivi as kivi_mod
+    import methods.blocked_attention as blocked_mod
 
     t = 120
     q, k, v = _qkv(t, seed=9)
     whole, _ = _run(Kivi(**KNOBS), q, k, v, [t])
-    monkeypatch.setattr(kivi_mod, "MAX_LOGIT_ELEMENTS", HQ * t * 7)  # blocks of 7 queries
+    monkeypatch.setattr(blocked_mod, "MAX_LOGIT_ELEMENTS", HQ * t * 7)  # blocks of 7 queries
     blocked, _ = _run(Kivi(**KNOBS), q, k, v, [t])
     assert (whole - blocked).abs().max() < 1e-6
 

@@ -79,7 +79,8 @@ from dataclasses import dataclass
 import torch
 
 from methods import ModelShape
-from methods.kivi import HOST_RANGE, gpu_dispatch
+from methods.blocked_attention import gpu_dispatch
+from methods.bookkeeping import HOST_RANGE
 
 from ..model.integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
 
