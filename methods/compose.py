@@ -136,8 +136,8 @@ import torch
 
 from .base import KVMethod, LayerState, Unsupported, rotate_half
 from .codec_state import Codec, CodecLayerState
+from .eviction import EvictionLayerState
 from .groupquant import fake_quantize_groups, quantize_dequantize_groups
-from .h2o import H2OLayerState
 from .kivi import KiviLayerState
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .snapkv import SnapKVLayerState
@@ -520,9 +520,7 @@ class Compose(KVMethod):
 
 def kept_positions(ev: LayerState) -> torch.Tensor:
     """Positions [B, H, C] of the tokens an eviction state holds, in its stored order."""
-    if isinstance(ev, H2OLayerState):
-        return ev.kept_positions()
-    if isinstance(ev, SnapKVLayerState):
+    if isinstance(ev, EvictionLayerState):
         return ev.kept_positions()
     raise TypeError(f"compose: no kept positions for {type(ev).__name__}")
 

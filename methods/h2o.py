@@ -9,14 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from .attention import causal_attention
-from .base import KVMethod, LayerState, Unsupported
-from .sparsifier import (
-    attention_column_sums,
-    compute_dtype,
-    recent_plus_top,
-    round_half_up,
-    shared_target,
-)
+from .base import KVMethod, Unsupported
+from .eviction import EvictionLayerState, top_and_recent
+from .sparsifier import attention_column_sums, compute_dtype, round_half_up, shared_target
 
 #: official defaults (`--heavy_ratio 0.1 --recent_ratio 0.1`), used when no bpd target is given
 DEFAULT_RATIO = 0.1
@@ -255,9 +250,11 @@ def _block_output(blk, vw, out_dtype):
 
 
 @dataclass
-class H2OLayerState(LayerState):
+class H2OLayerState(EvictionLayerState):
     """One layer's H2O cache: kept K, V [B, Hkv, C, d] (same C for every head), their fp32
     scores [B, Hkv, C] and positions [B, Hkv, C] (bookkeeping for the recent window)."""
+
+    label = "h2o"
 
     heavy_ratio: float
     recent_ratio: float
@@ -292,14 +289,7 @@ class H2OLayerState(LayerState):
     def budget(self, t: int) -> tuple[int, int]:
         return self._fixed if self._fixed is not None else self.qall_budget(t)
 
-    # -- attention ------------------------------------------------------------------------------
-    def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
-        if q.shape[1] % k.shape[1]:
-            raise ValueError(f"h2o: {q.shape[1]} query heads for {k.shape[1]} KV heads")
-        if prefill:
-            return self._prefill(q, k, v, scaling)
-        return self._decode(q, k, v, scaling)
-
+    # -- attention (dispatched by EvictionLayerState.attend) -------------------------------------
     def _prefill(self, q, k, v, scaling):
         if self._seen:
             raise ValueError("h2o: prefill must be the first call on a layer state")
@@ -314,7 +304,7 @@ class H2OLayerState(LayerState):
         if p <= c_h + c_r:
             idx = pos
         else:
-            idx = recent_plus_top(score, c_h + c_r, c_r)
+            idx = top_and_recent(score[..., : p - c_r], c_h, c_r)  # c_r < p here
         self._store(k, v, score, pos, idx)
         self._seen = p
         return out
@@ -404,9 +394,7 @@ class H2OLayerState(LayerState):
         return torch.where(old, neg, float("-inf")).argmax(dim=-1, keepdim=True)
 
     def _store(self, k, v, score, pos, idx):
-        d_idx = idx[..., None].expand(*idx.shape, k.shape[-1])
-        self._k = k.gather(2, d_idx)
-        self._v = v.gather(2, idx[..., None].expand(*idx.shape, v.shape[-1]))
+        self._gather(idx, k, v)
         self._score = score.gather(-1, idx)
         self._pos = pos.gather(-1, idx)
 
@@ -415,37 +403,14 @@ class H2OLayerState(LayerState):
         """Bits per kept token and side: 16 d per head + half its fp32 score (+ half a position)."""
         return batch * heads * (16 * head_dim + 16 * (2 if self.count_indices else 1))
 
-    def stored_bits(self):
-        """16 bits per kept element + an fp32 score per kept token and KV head, half to K and
-        half to V (+ a 32-bit position, split the same way, with ``count_indices``)."""
-        if self._k is None:
-            return 0, 0
+    def metadata_bits(self) -> int:
+        """An fp32 score per kept token and KV head, half to K and half to V (+ a 32-bit
+        position, split the same way, with ``count_indices``)."""
         meta = self._score.numel() * 32 // 2
         if self.count_indices:
             meta += self._pos.numel() * 32 // 2
-        return self._k.numel() * 16 + meta, self._v.numel() * 16 + meta
-
-    @property
-    def n_seen(self):
-        return self._seen
-
-    @property
-    def n_kept(self) -> int:
-        return 0 if self._k is None else self._k.shape[2]
+        return meta
 
     def kept_positions(self) -> torch.Tensor | None:
         """Positions [B, Hkv, C] of the kept tokens (ascending), for tests and diagnostics."""
         return self._pos
-
-    # compose: a codec hands the eviction the decoded form of its tokens
-    def kept_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The stored K, V of the kept tokens [B, Hkv, C, d], in the order of ``kept_positions``:
-        the tensors themselves (a codec may overwrite entries in place with their decoded form)."""
-        return self._k, self._v
-
-    def replace_kept_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Replace the stored K, V of the kept tokens by same-shaped tensors (the decoded form a
-        codec stores them in, docs/methods.md §12); scores, positions and the kept set are unchanged."""
-        if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
-            raise ValueError("h2o: replace_kept_kv needs tensors shaped like the kept cache")
-        self._k, self._v = k, v

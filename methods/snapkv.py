@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from .attention import causal_attention, causal_mask, expand_kv
-from .base import KVMethod, LayerState, Unsupported
+from .base import KVMethod, Unsupported
 from .buffers import Growing
 from .codec_state import cumulative_bits
+from .eviction import EvictionLayerState, top_and_recent
 from .sparsifier import (
     grouped_logits,
     round_half_up,
     shared_target,
-    top_k_latest,
     window_probs,
 )
 
@@ -233,7 +233,7 @@ class SnapKV(KVMethod):
 
 
 @dataclass
-class SnapKVLayerState(LayerState):
+class SnapKVLayerState(EvictionLayerState):
     """Held K, V [B, Hs, n, d] with Hs = Hkv (gqa=mean, or no compression) or Hq (gqa=repeat).
 
     ``interval`` None: decode=keep; else the re-selection interval of decode=evict, which also
@@ -247,6 +247,8 @@ class SnapKVLayerState(LayerState):
     capacity_for: object  # callable: prompt length -> C of the prefill's selection
     interval: int | None = None
     reselect_capacity: object = None  # callable: tokens seen -> C of a re-selection
+
+    label = "snapkv"
 
     def __post_init__(self):
         self._k = self._v = None
@@ -279,27 +281,17 @@ class SnapKVLayerState(LayerState):
         if x is not None:
             self._vb.append(x)
 
-    def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
-        if q.shape[1] % k.shape[1]:
-            raise ValueError(f"snapkv: {q.shape[1]} query heads for {k.shape[1]} KV heads")
-        if prefill:
-            return self._prefill(q, k, v, scaling)
-        return self._decode(q, k, v, scaling)
-
     def select(self, rows: torch.Tensor, capacity: int) -> torch.Tensor:
         """Kept indices from the window's attention rows [B, H, g, W, T] -> [B, Hs, C]."""
         b, h, g, w, t = rows.shape
         s = rows[..., : t - w].sum(dim=-2)  # [B, H, g, T - W]
         s = pool1d(s, self.kernel, self.pooling)
         s = s.mean(dim=2) if self.gqa == "mean" else s.reshape(b, h * g, t - w)
-        heavy = top_k_latest(s, capacity - w)
-        win = torch.arange(t - w, t, device=rows.device).expand(*heavy.shape[:-1], w)
-        return torch.cat([heavy, win], dim=-1)
+        return top_and_recent(s, capacity - w, w)
 
     def _keep(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Hold the tokens ``idx`` [B, Hs, C] of k, v [B, Hs, n, d] at positions ``pos`` [B, Hs, n]."""
-        self._k = k.gather(2, idx[..., None].expand(*idx.shape, k.shape[-1]))
-        self._v = v.gather(2, idx[..., None].expand(*idx.shape, v.shape[-1]))
+        self._gather(idx, k, v)
         self._base = pos.gather(-1, idx)
         self._base_seen = self._seen
 
@@ -390,20 +382,6 @@ class SnapKVLayerState(LayerState):
         rows = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         self._keep(self.select(rows, c), k, v, pos)
 
-    def stored_bits(self):
-        """16 bits per kept element, keys and values separately."""
-        if self._k is None:
-            return 0, 0
-        return self._k.numel() * 16, self._v.numel() * 16
-
-    @property
-    def n_seen(self):
-        return self._seen
-
-    @property
-    def n_kept(self) -> int:
-        return 0 if self._k is None else self._k.shape[2]
-
     def kept_prompt_positions(self) -> torch.Tensor | None:
         """Prompt positions kept at the end of prefill [B, Hs, C] (ascending), for diagnostics."""
         return self._idx
@@ -416,16 +394,3 @@ class SnapKVLayerState(LayerState):
         n = self.n_kept - self._base.shape[-1]
         later = torch.arange(self._seen - n, self._seen, device=self._base.device)
         return torch.cat([self._base, later.expand(*self._base.shape[:-1], n)], dim=-1)
-
-    # compose: a codec hands the eviction the decoded form of its tokens
-    def kept_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The stored K, V [B, Hs, n, d] in ``kept_positions`` order; the tensors themselves (a
-        codec may overwrite entries in place with their decoded form)."""
-        return self._k, self._v
-
-    def replace_kept_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Replace the stored K, V by same-shaped tensors (the decoded form a codec stores them
-        in, docs/methods.md §12); the kept set is unchanged."""
-        if self._k is None or k.shape != self._k.shape or v.shape != self._v.shape:
-            raise ValueError("snapkv: replace_kept_kv needs tensors shaped like the kept cache")
-        self._k, self._v = k, v
