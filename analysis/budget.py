@@ -1,6 +1,6 @@
 """Measured bpd per task and the † rule: a cell whose measured budget is off its target.
 
-docs/methods.md §0 (v3): every task reports one headline, the mean over its scored positions of the
+docs/methods.md §0: every task reports one headline, the mean over its scored positions of the
 bits the cache held when that prediction was made (PPL track A: every position; zero-shot: the
 continuation; track B: the targets; generation: the generated tokens), and stores the
 end-of-prefill and end-of-sequence figures beside it. The result's ``bpd`` block holds the convention figure as ``measured_k``/``measured_v``

@@ -377,7 +377,7 @@ def _unlabelled_runs(ok: pd.DataFrame) -> int:
 
 
 def bpd_convention_note(frame: pd.DataFrame) -> str:
-    """Which measured-bpd convention the figures follow (docs/methods.md §0, v3)."""
+    """Which measured-bpd convention the figures follow (docs/methods.md §0)."""
     ok = ok_runs(frame)
     if ok.empty:
         return ""
@@ -387,7 +387,7 @@ def bpd_convention_note(frame: pd.DataFrame) -> str:
     if by_convention or bare:
         listed = [f"{text} ({', '.join(names)})" for text, names in by_convention.items()]
         listed += [f"{text} (headline)" for text in bare if text not in by_convention]
-        text = ("Measured bpd = the headline figure of docs/methods.md §0 (v3) of each task, the mean "
+        text = ("Measured bpd = the headline figure of docs/methods.md §0 of each task, the mean "
                 "over its scored positions of the bits each prediction read: " + "; ".join(listed) + ".")
         if tasks:
             text += (" The meas. columns and the † on bpd use the headline figure, that of the "

@@ -8,7 +8,7 @@ Columns of the frame:
   track A);
 - ``target_k``, ``target_v``, ``measured_k``, ``measured_v`` (bits per element; a missing value
   budget means 16), ``bpd_k`` (= measured K) and ``bpd_kv`` (= mean of measured K and V). The
-  measured figures are the result's headline figure (docs/methods.md §0, v3);
+  measured figures are the result's headline figure (docs/methods.md §0);
 - the rest of the ``bpd`` block flattened with dots: ``bpd.end_k``, ``bpd.convention``,
   ``bpd.by_task.ppl.measured_k``, ... (absent in result files older than convention v2);
 - ``zeroshot.split.<task>``, ``zeroshot.metric.<task>``, ``zeroshot.source`` (the text fields of
