@@ -152,15 +152,24 @@ def value_outlier_count(n: int, t: float) -> int:
     return (n - math.ceil((n - 1) * t)) + (math.floor((n - 1) * (1 - t)) + 1)
 
 
-def nearest_codes(z: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+def nearest_codes(z: torch.Tensor, lut: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:
     """Index of the nearest entry of the sorted ``lut`` [k] for every element of ``z`` (int64):
     the nearer of the two entries that bracket z by |z - c| (the official
     ``round_to_nearest_pole_sim`` compares |z - c| over all entries: for sorted entries the
-    minimum is at a bracket); a tie goes to the lower entry, the first in stored order."""
+    minimum is at a bracket); a tie goes to the lower entry, the first in stored order. ``pairs``:
+    :func:`bracket_pairs` of ``lut``, when the caller keeps it."""
     k = lut.numel()
+    if pairs is None:
+        pairs = bracket_pairs(lut)
     lo = (torch.searchsorted(lut, z.contiguous()) - 1).clamp_(0, k - 2)
-    hi = lo + 1
-    return lo + ((z - lut[hi]).abs() < (z - lut[lo]).abs()).long()
+    dist = (z.unsqueeze(-1) - pairs[lo]).abs()  # [..., 2]: |z - lut[lo]|, |z - lut[lo + 1]|
+    return lo + (dist[..., 1] < dist[..., 0])
+
+
+def bracket_pairs(lut: torch.Tensor) -> torch.Tensor:
+    """[k - 1, 2] table of the sorted ``lut``'s neighbouring entries (lut[i], lut[i + 1]): one
+    gather gives both entries that bracket z (a codec keeps it with its LUT)."""
+    return torch.stack([lut[:-1], lut[1:]], -1)
 
 
 INIT_BINS = 2048  # histogram bins of the k-means initialization
@@ -317,6 +326,7 @@ class _NuqCodec(Codec):
         if lut.numel() != 2**bits:
             raise ValueError(f"kvquant: a {bits}-bit LUT has {2**bits} entries, got {lut.numel()}")
         self.lut = lut.half().sort().values
+        self._pairs = bracket_pairs(self.lut)
         self.nbits = bits
         self.sparse = bool(sparse)
         self._cache: dict = {}
@@ -340,6 +350,10 @@ class _NuqCodec(Codec):
     def _meta_bits(self) -> int:
         return 0
 
+    def _divisor(self, half: torch.Tensor) -> torch.Tensor:
+        """The half-range with 1 where it is 0 (a constant vector decodes to its offset)."""
+        return torch.where(half != 0, half, torch.ones_like(half))
+
     def encode(self, x):
         return self.encode_decode(x)[0]
 
@@ -352,9 +366,9 @@ class _NuqCodec(Codec):
         centred = vec - offset
         if mask is not None:
             centred = centred.masked_fill(mask, 0.0)
-        z = centred / torch.where(half != 0, half, torch.ones_like(half))
+        z = centred / self._divisor(half)
         lut = self._on("lut", self.lut, vec.device, dt)
-        codes = nearest_codes(z, lut)
+        codes = nearest_codes(z, lut, self._on("pairs", self._pairs, vec.device, dt))
         dec = lut[codes] * half + offset
         values = index = pointer = None
         counts = None
@@ -434,6 +448,12 @@ class KeyCodec(_NuqCodec):
         return (self._on("offset", self.offset, device, dtype),
                 self._on("half_range", self.half_range, device, dtype))
 
+    def _divisor(self, half):
+        key = ("divisor", str(half.device), half.dtype)  # static per channel: computed once
+        if key not in self._cache:
+            self._cache[key] = super()._divisor(half)
+        return self._cache[key]
+
 
 class ValueCodec(_NuqCodec):
     """§14.3 values of one layer, dynamic per token over its n entries: ``lut`` [2^b]; ``t`` the
@@ -492,7 +512,8 @@ def held_per_token(prior: float, entries: list) -> torch.Tensor:
                 n = packed.data.shape[2]
                 per = torch.full((n,), codec.bits(packed) / n, dtype=torch.float64)
             parts.append(per)
-        return torch.cat(parts).cumsum(0).add_(prior)
+        held = parts[0] if len(parts) == 1 else torch.cat(parts)  # a decode step: one part, no cat
+        return held.cumsum(0).add_(prior)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from kvbench.bench import e2e, opcount, shortseq
 
 SECTIONS = {"overhead", "allocation", "codecs", "memory", "calibration", "opcount", "zeroshot", "e2e"}
 METHODS = {"kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o"}
+BASELINES = {"kvquant", "gear", "turboquant"}  # the published competitors: overhead, zeroshot, opcount, e2e
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,8 @@ def test_every_row_has_a_number_and_a_verdict(report):
 
 def test_rows_cover_every_method(report):
     by = _by_section(report)
-    assert {r["detail"]["method"] for r in by["overhead"]} == METHODS
-    assert {r["detail"]["method"] for r in by["zeroshot"]} == METHODS
+    assert {r["detail"]["method"] for r in by["overhead"]} == METHODS | BASELINES
+    assert {r["detail"]["method"] for r in by["zeroshot"]} == METHODS | BASELINES
     codecs = [r for r in by["codecs"] if not r["name"].startswith("bound:")]
     assert {r["detail"]["method"] for r in codecs} == METHODS | {"snapkv"}
     assert len(by["codecs"]) == len(codecs) + 1  # the conversion bound under every codec row
@@ -76,9 +77,9 @@ def test_rows_cover_every_method(report):
         d = row["detail"]
         assert d["bytes_held"] > 0 and len(d["measured_bpd"]) == len(d["nominal_bpd"]) == 2
     ops = {(r["detail"]["method"], r["detail"]["regime"]) for r in by["opcount"]}
-    every = METHODS | {"fp16", "snapkv"}
+    every = METHODS | BASELINES | {"fp16", "snapkv"}
     assert ops == {(m, "decode") for m in every} | {(m, "one-pass") for m in every - {"snapkv"}}
-    assert {r["detail"]["method"] for r in by["e2e"]} == METHODS | {"snapkv", "plain"}
+    assert {r["detail"]["method"] for r in by["e2e"]} == METHODS | BASELINES | {"snapkv", "plain"}
 
 
 def test_opcount_rows(report):
@@ -89,13 +90,33 @@ def test_opcount_rows(report):
         assert d["kernels_per_layer"] > 0 and d["views_per_layer"] >= 0
         assert d["ratio_to_fp16"] == pytest.approx(d["kernels_per_layer"] / plain[d["regime"]]["detail"]["kernels_per_layer"])
         assert d["all_ops_per_layer"] == pytest.approx(d["kernels_per_layer"] + d["host_ops_per_layer"])
-        if d["method"] in ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl"):
+        if d["method"] in ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", *BASELINES):
             assert row["op"] == "<=" and row["target"] == 3.0
+    gear = next(r for r in rows if r["detail"]["method"] == "gear" and r["detail"]["regime"] == "decode")
+    assert gear["detail"]["decode_steps"] % 64 == 0  # whole flush cycles of its n_b-token buffer
     h2o = next(r for r in rows if r["detail"]["method"] == "h2o" and r["detail"]["regime"] == "one-pass")
     assert h2o["value"] == pytest.approx(h2o["detail"]["ratio_to_fp16"])  # the whole window's ops
     assert h2o["op"] == "<=" and h2o["target"] == 3.0
     assert h2o["detail"]["kernels_per_token_per_layer"] == pytest.approx(
         h2o["detail"]["kernels_per_layer"] / h2o["detail"]["tokens"])
+
+
+def test_baseline_calibration_and_cost_rows(report):
+    """KVQuant, GEAR and TurboQuant: the sample pass KVQuant's fit needs (a verdict, as the
+    moments' pass), each method's fit time with what it fits (INFO; GEAR fits nothing), and the
+    zero-shot and overhead rows against 1.2x."""
+    by = _by_section(report)
+    calib = {r["name"]: r for r in by["calibration"]}
+    sample = calib["kvquant (bpd 2): sample pass"]
+    assert sample["op"] == "<=" and sample["target"] == 1.3 and sample["detail"]["sample_tokens"] > 0
+    assert calib["kvquant (bpd 2): fit"]["detail"]["calibrated"] and calib["kvquant (bpd 2): fit"]["value"] > 0
+    assert "k-means" in calib["kvquant (bpd 2): fit"]["note"]
+    assert calib["turboquant (bpd 2): fit"]["detail"]["calibrated"]
+    assert not calib["gear (bpd 4): fit"]["detail"]["calibrated"] and calib["gear (bpd 4): fit"]["verdict"] == "INFO"
+    for section in ("zeroshot", "overhead"):
+        for row in by[section]:
+            if row["detail"]["method"] in BASELINES:
+                assert row["op"] == "<=" and row["target"] == 1.2, row
 
 
 def test_e2e_plain_cache_bytes_are_the_dynamic_cache(report):
@@ -549,3 +570,74 @@ def test_zeroshot_method_subset_and_unknown_name():
     assert shortseq.cases_named(None) == shortseq.EVAL_CASES
     with pytest.raises(SystemExit, match="valid choices: kivi, svdq"):
         shortseq.cases_named(["nope"])
+
+
+# ---- a deliberately slowed method misses ----------------------------------------------------------
+
+
+def _per_head_codec(codec_cls, monkeypatch):
+    """``codec_cls.encode_decode`` run head by head (a Python loop over the KV heads): what a
+    per-head implementation launches. The codes are those of the vectorised form (tests only)."""
+    original = codec_cls.encode_decode
+
+    def per_head(self, x):
+        for h in range(x.shape[1]):
+            original(self, x[:, h : h + 1].expand_as(x).contiguous())
+        return original(self, x)
+
+    monkeypatch.setattr(codec_cls, "encode_decode", per_head)
+
+
+@pytest.mark.parametrize("name", ["kvquant", "turboquant"])
+def test_a_per_head_loop_misses_the_opcount_target(name, monkeypatch, one_thread):
+    """The op count of a real KVQuant / TurboQuant decode step passes 3x FP16's; the same codec
+    looping over the KV heads (4 of them here) launches its ops per head and misses."""
+    from kvbench.bench.common import make_method, random_model, synthetic_source, tiny_config
+    from kvbench.model.integrate import model_shape
+    from methods.kvquant import KeyCodec
+    from methods.turboquant import TurboCodec
+
+    cfg = tiny_config()
+    cfg.num_key_value_heads = 4
+    model = random_model(cfg, torch.device("cpu"), torch.float32)
+    shape = model_shape(model)
+    ids = torch.randint(0, 128, (1, 68), generator=torch.Generator().manual_seed(0))
+    plain = opcount.plain_decode(model, ids[:, :64], ids[:, 64:])
+
+    def rows():
+        method = make_method(name, {}, shape, 2.0, None, synthetic_source(shape))
+        counts = {("fp16", "decode"): plain, ("fp16", "one-pass"): plain,
+                  (name, "decode"): opcount.method_decode(model, method, ids[:, :64], ids[:, 64:])}
+        return {r.detail["method"]: r for r in opcount.rows_from(counts, 64, 4, shape.n_layers, shape)
+                if r.detail["regime"] == "decode"}
+
+    assert rows()[name].verdict == "PASS"
+    _per_head_codec(KeyCodec if name == "kvquant" else TurboCodec, monkeypatch)
+    slowed = rows()[name]
+    assert slowed.verdict == "MISS" and slowed.value > 3.0
+
+
+def test_a_slowed_method_misses_the_zeroshot_target(monkeypatch, one_thread):
+    """A TurboQuant whose layer states spend 20 ms per call (what a Python loop over tokens or
+    heads costs a short request) against FP16 on the same requests: the row MISSes 1.2x."""
+    import time
+
+    from conftest import tiny_llama
+    from kvbench.bench.common import BenchModel, synthetic_source
+    from kvbench.model.integrate import model_shape
+    from methods.codec_state import CodecLayerState
+
+    model = tiny_llama()
+    bm = BenchModel(model, None, "tiny", torch.device("cpu"), torch.float32)
+    original = CodecLayerState.attend
+
+    def slow(self, *args, **kw):
+        time.sleep(0.02)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(CodecLayerState, "attend", slow)
+    monkeypatch.setattr(shortseq, "WARMUP_REQUESTS", 1)
+    sizes = bench.common.PRESETS["smoke"]
+    case = next(c for c in shortseq.EVAL_CASES if c[0] == "turboquant")
+    row = shortseq.run(bm, sizes, synthetic_source(model_shape(model)), [case])[0]
+    assert row.target == 1.2 and row.verdict == "MISS" and row.value > 1.2

@@ -139,7 +139,14 @@ EVAL_CASES = [
     ("cobra_mse", "cobra_mse", {}, 2.0, None, "codec"),
     ("cobra_kl", "cobra_kl", {}, 2.0, None, "codec"),
     ("h2o", "h2o", {}, 4.0, 4.0, "evict"),
+    ("kvquant", "kvquant", {}, 2.0, None, "baseline"),
+    ("gear", "gear", {}, 4.0, None, "baseline"),
+    ("turboquant", "turboquant", {}, 2.0, None, "baseline"),
 ]
+#: the published per-token competitors (docs/methods.md §14-16: KVQuant, GEAR, TurboQuant), judged
+#: by their own targets (overhead and zero-shot <= 1.2x FP16, op counts <= 3x FP16's). GEAR's
+#: fp16 buffer keeps bpd 2 out of its reach in Q-all: it runs at 4, its fitted point at d = 64 and 128
+BASELINES = ("kvquant", "gear", "turboquant")
 
 #: §4 uses value budgets too, so both sides of each formula are checked.
 MEMORY_CASES = [
@@ -164,7 +171,9 @@ def budget_label(bpd, v_bpd) -> str:
 def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=None, seed: int = 0):
     """A configured (and, when needed, calibrated) method. KIVI maps its budget nominally here
     (b + 32/G <= bpd, R = 128): the bench times and checks the codec at a fixed point, and its
-    measured-budget fit would refuse bpd 2 in the default Q-all regime."""
+    measured-budget fit would refuse bpd 2 in the default Q-all regime. ``stats``: a list of
+    :class:`LayerStats`, or a :class:`StatsSource` that gives each method the key/value sample it
+    asks for (``calibration_sample_tokens()``: KVQuant fits on it) and the others the plain moments."""
     if name == "kivi":
         options = {"budget": "nominal", **options}
     method = build_method(name, **options)
@@ -172,8 +181,52 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
     if method.needs_calibration:
         if stats is None:
             raise ValueError(f"{name} needs calibration statistics")
+        if isinstance(stats, StatsSource):
+            stats = stats(sample_request(method))
         method.calibrate(stats, seed=seed)
     return method
+
+
+def sample_request(method) -> int:
+    """Calibration sample tokens per head ``method`` asks for (0: the moments suffice)."""
+    from ..fit.statistics import sample_request as ask
+
+    return ask(method)
+
+
+class StatsSource:
+    """Calibration statistics of one set of windows, collected once per sample size and kept:
+    ``source(n)`` is the list of :class:`LayerStats` with a key/value sample of ``n`` tokens per
+    head (0: none, the moments every method reads). ``collect(n)`` makes them; ``plain`` (the
+    statistics of a pass already made, e.g. the calibration section's) stands for ``n = 0``. A
+    sample adds to the moments and changes none of them, so the methods that take none are
+    calibrated exactly as before."""
+
+    def __init__(self, collect: Callable[[int], list], plain: list | None = None):
+        self._collect = collect
+        self._cache: dict[int, list] = {} if plain is None else {0: plain}
+        self.seconds: dict[int, float] = {}
+
+    def __call__(self, sample_tokens: int = 0) -> list:
+        n = int(sample_tokens)
+        if n not in self._cache:
+            t0 = time.perf_counter()
+            self._cache[n] = self._collect(n)
+            self.seconds[n] = time.perf_counter() - t0
+        return self._cache[n]
+
+
+def model_stats(model, windows: torch.Tensor, plain: list | None = None, seed: int = 0) -> StatsSource:
+    """:class:`StatsSource` of :func:`kvbench.calibrate.collect_stats` over ``windows`` (the sample's
+    positions from ``seed``, as ``kvbench.run`` draws them)."""
+    from ..fit.statistics import collect_stats
+
+    return StatsSource(lambda n: collect_stats(model, windows, n, seed), plain)
+
+
+def synthetic_source(shape: ModelShape, seed: int = 0) -> StatsSource:
+    """:class:`StatsSource` of :func:`synthetic_stats` (the sample drawn from the same moments)."""
+    return StatsSource(lambda n: synthetic_stats(shape, seed, sample_tokens=n))
 
 
 # ---- rows and verdicts ----------------------------------------------------------------------------
@@ -452,9 +505,13 @@ def _random_orthogonal(n: int, d: int, g: torch.Generator) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
 
 
-def synthetic_stats(shape: ModelShape, seed: int = 0, n_tokens: int = 4096) -> list[LayerStats]:
+def synthetic_stats(shape: ModelShape, seed: int = 0, n_tokens: int = 4096,
+                    sample_tokens: int = 0) -> list[LayerStats]:
     """Calibration moments of a random model of ``shape``: per KV head a random eigenbasis with a
-    decaying spectrum for keys, values and queries (float64, like :func:`kvbench.calibrate.collect_stats`)."""
+    decaying spectrum for keys, values and queries (float64, like :func:`kvbench.calibrate.collect_stats`);
+    with ``sample_tokens`` > 0 also a centered float16 key/value sample [H, n, d] of Gaussian
+    vectors with those covariances (what ``collect_stats`` stores for KVQuant's fit). The moments
+    do not depend on ``sample_tokens``."""
     g = torch.Generator().manual_seed(seed)
     h, d = shape.n_kv_heads, shape.head_dim
     out = []
@@ -469,7 +526,19 @@ def synthetic_stats(shape: ModelShape, seed: int = 0, n_tokens: int = 4096) -> l
             mu_v=0.1 * torch.randn(h, d, generator=g, dtype=torch.float64), cov_v=mats[1],
             m_q=mats[2], n_tokens=n_tokens,
         ))
+    if sample_tokens > 0:  # its own generator: the moments above stay those of sample_tokens=0
+        gs = torch.Generator().manual_seed(10_000 + seed)
+        for st in out:
+            st.k_sample, st.v_sample = (_gaussian_sample(c, sample_tokens, gs) for c in (st.cov_k, st.cov_v))
     return out
+
+
+def _gaussian_sample(cov: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
+    """[H, n, d] float16 draws of N(0, cov[h]) per head."""
+    evals, evecs = torch.linalg.eigh(cov)
+    factor = evecs * evals.clamp(min=0).sqrt()[:, None, :]  # [H, d, d]
+    z = torch.randn(cov.shape[0], n, cov.shape[-1], generator=g, dtype=torch.float64)
+    return (z @ factor.transpose(-1, -2)).half()
 
 
 def rope_tables(t: int, d: int, device, dtype, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:

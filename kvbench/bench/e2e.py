@@ -62,7 +62,7 @@ import torch
 from ..model.compressed_lm import CompressedLM
 from ..model.integrate import attach, cache_argument, model_shape, returned_cache
 from .common import (EVAL_CASES, INFO, BenchModel, Row, Sizes, bench_dtype, budget_label, calib_windows, dtype_name,
-                     fmt_bytes, make_method, sync)
+                     fmt_bytes, make_method, model_stats, sync)
 from .memory import resident_bytes
 
 log = logging.getLogger(__name__)
@@ -298,8 +298,6 @@ def e2e_model(sizes: Sizes, device: str, layers: int | None, dtype: torch.dtype 
 
 
 def run(bm: BenchModel, sizes: Sizes, lengths=None, methods=None, new_tokens=None) -> list[Row]:
-    from ..fit.statistics import collect_stats
-
     lengths = list(lengths or sizes.e2e_lengths)
     n = int(new_tokens or sizes.e2e_new_tokens)
     cases = [c for c in CASES if methods is None or c[0] in methods]
@@ -307,9 +305,8 @@ def run(bm: BenchModel, sizes: Sizes, lengths=None, methods=None, new_tokens=Non
     if unknown:
         raise ValueError(f"e2e: unknown method(s) {unknown}; valid choices: {', '.join(c[0] for c in CASES)}")
     shape = model_shape(bm.model)
-    stats = None
-    if any(c[1] in ("svdq", "kqsvd", "cobra_mse", "cobra_kl") for c in cases):
-        stats = collect_stats(bm.model, calib_windows(bm, sizes.calib_seqlen, sizes.calib_windows).to(bm.device))
+    # collected when a calibrated method is first built, with the sample it asks for (KVQuant's)
+    stats = model_stats(bm.model, calib_windows(bm, sizes.calib_seqlen, sizes.calib_windows).to(bm.device))
     probe = MemoryProbe(bm.device)
     weights = sum(p.numel() * p.element_size() for p in bm.model.parameters())
     warm(bm, cases, shape, stats)

@@ -7,8 +7,9 @@ PTB and SQuAD from the installed asset packages, random models built in memory).
 1. **SmolLM2-135M-Instruct** (the embedded model) in the run dtype (bf16 on a GPU; on a CPU bf16
    where the CPU computes it natively, else float32: :func:`kvbench.bench.common.cpu_dtype`),
    calibrated on PTB train (``collect_stats``, 4 windows of 512 tokens), for FP16 (the plain model)
-   and every method at the budgets of the overhead section (codecs 2 bpd with 16-bit values, H2O
-   and SnapKV 4 bpd on K and V), but KIVI at 3 bpd (:data:`KIVI_BPD`):
+   and every method at the budgets of the overhead section (codecs 2 bpd with 16-bit values, GEAR
+   4, H2O and SnapKV 4 bpd on K and V), but KIVI at 3 bpd (:data:`KIVI_BPD`); KVQuant fits on the
+   key/value sample it asks for, from the same calibration windows:
 
    * ``ppl`` — one PTB test window (2048 tokens; ``--quick`` 512), track A (SnapKV: track B with
      the first 3/4 as context), against the **float32 CPU figure of the same preset** stored in
@@ -73,7 +74,7 @@ import torch  # noqa: E402
 from . import e2e  # noqa: E402
 from .cli import _git_commit, _loadavg, machine, markdown_table, verdict_summary, write_and_print  # noqa: E402
 from .common import (EVAL_CASES, FINITE, INFO, PRESETS, BenchModel, Row, bench_dtype, budget_label,  # noqa: E402
-                     calib_windows, dtype_name, make_method)
+                     calib_windows, dtype_name, make_method, model_stats)
 
 log = logging.getLogger("kvbench.gpu_check")
 
@@ -248,7 +249,8 @@ def load_smollm2(device: str, dtype: torch.dtype) -> tuple[BenchModel, torch.Ten
     bm = BenchModel(model, loaded.tokenizer, "smollm2_135m", next(model.parameters()).device,
                     next(model.parameters()).dtype, loaded.source)
     calib = calib_windows(bm, CALIB_SEQLEN, CALIB_WINDOWS)
-    stats = collect_stats(model, calib)
+    # the moments now; a method's key/value sample (KVQuant's) from the same windows when it is built
+    stats = model_stats(model, calib, plain=collect_stats(model, calib))
     data = {"model": "smollm2_135m", "source": loaded.source,
             "calibration": {"dataset": "ptb", "split": "train", "windows": CALIB_WINDOWS, "seqlen": CALIB_SEQLEN,
                             "seed": 0, "sha256": fingerprint(calib)}}

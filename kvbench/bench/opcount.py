@@ -60,11 +60,13 @@ Decisions where METHODS.md is silent (it says nothing about performance):
   counted ops do not depend on the width, only on the attention geometry, and the 2048-token
   passes take seconds. Calibrated methods get synthetic statistics of that geometry
   (:func:`kvbench.bench.common.synthetic_stats`). The ``smoke`` preset uses the tests' tiny shape.
-* Budgets: those of the overhead section (codecs 2 bpd with 16-bit values, H2O and SnapKV 4 bpd on
-  K and V).
+* Budgets: those of the overhead section (codecs 2 bpd with 16-bit values, GEAR 4, H2O and SnapKV
+  4 bpd on K and V). KVQuant's fit reads a key/value sample: drawn from the synthetic moments
+  (:func:`kvbench.bench.common.synthetic_stats`).
 
-Targets: the codecs (KIVI, SVDq, KQ-SVD, KV-COBRA) at most 3x FP16's ops per layer, per decode step
-and per one-pass forward; H2O's one-pass at most 3x FP16's ops per layer **per window** (the whole
+Targets: the codecs (KIVI, SVDq, KQ-SVD, KV-COBRA, and the published competitors KVQuant, GEAR
+and TurboQuant) at most 3x FP16's ops per layer, per decode step and per one-pass forward (GEAR's
+decode figure is the mean over whole flush cycles of its n_b-token buffer: :func:`decode_steps`); H2O's one-pass at most 3x FP16's ops per layer **per window** (the whole
 2048-token recursion: a bound that does not grow with the window, so an implementation that
 launches ops per token misses it at any window longer than a few tokens; the per-token figure is
 in the note). Other rows are informational.
@@ -85,7 +87,7 @@ from methods.bookkeeping import HOST_RANGE
 from ..model.integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
 
 from .codec_speed import CODEC_CASES
-from .common import Row, Sizes, make_method, random_model, synthetic_stats, tiny_config
+from .common import BASELINES, EVAL_CASES, Row, Sizes, make_method, random_model, synthetic_source, tiny_config
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +120,11 @@ SYNC_OPS = frozenset(
 ATTN, PROJ = "kvbench.opcount.attn", "kvbench.opcount.proj"
 HOST = HOST_RANGE  # bookkeeping on CPU tensors inside the layer states (counted apart, as host ops)
 CODECS = ("kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl")
+#: the published competitors at the budgets of the overhead section (GEAR at 4: its buffer keeps 2
+#: out of reach)
+BASELINE_CASES = [(c[0], c[1], c[3], c[4]) for c in EVAL_CASES if c[1] in BASELINES]
 #: (label, registry name, bpd, v_bpd); None = the plain model (FP16 as the harness runs it)
-CASES = [("fp16", None, None, None), ("fp16 (kvbench state)", "fp16", None, None), *CODEC_CASES]
+CASES = [("fp16", None, None, None), ("fp16 (kvbench state)", "fp16", None, None), *CODEC_CASES, *BASELINE_CASES]
 CODEC_RATIO = 3.0
 #: H2O's one-pass: at most this many times FP16's ops per layer for the whole window
 H2O_WINDOW_RATIO = 3.0
@@ -146,6 +151,7 @@ class OpCount:
     by_name: Counter
     host: int = 0  # host ops: inside :data:`HOST` ranges, on float64 CPU tensors (no launch on a GPU)
     setup_per_pass: int = 0  # one-pass: ops of the first pass only, shared by the layers (:func:`one_pass`)
+    steps: int = 0  # decode: the one-token steps profiled (0: the preset's ``ops_decode_steps``)
 
     def per(self, n: float) -> dict:
         return {"kernels": self.kernels / n, "views": self.views / n, "syncs": self.syncs / n, "host": self.host / n,
@@ -357,26 +363,52 @@ def _model_for(sizes: Sizes, device):
     return random_model(cfg, device, torch.float32)
 
 
-def run(sizes: Sizes, device: torch.device) -> list[Row]:
+def cases_named(labels: list[str] | None) -> list[tuple]:
+    """The :data:`CASES` with these labels and the plain FP16 baseline (None: all); an unknown
+    label is an error naming the valid ones."""
+    if labels is None:
+        return CASES
+    unknown = sorted(set(labels) - {c[0] for c in CASES})
+    if unknown:
+        raise SystemExit(f"--ops-methods: unknown {unknown}; valid choices: {', '.join(c[0] for c in CASES[1:])}")
+    return [c for c in CASES if c[1] is None or c[0] in labels]
+
+
+def run(sizes: Sizes, device: torch.device, cases=CASES) -> list[Row]:
     model = _model_for(sizes, device)
     shape: ModelShape = model_shape(model)
-    stats = synthetic_stats(shape)
+    stats = synthetic_source(shape)  # KVQuant's fit asks for a key/value sample: drawn from the moments
     t, steps, layers = sizes.ops_tokens, sizes.ops_decode_steps, shape.n_layers
+    methods = {label: None if name is None else make_method(name, {}, shape, bpd, v_bpd, stats)
+               for label, name, bpd, v_bpd in cases}
+    longest = max(steps if m is None else decode_steps(m, steps) for m in methods.values())
     g = torch.Generator().manual_seed(99)
-    ids = torch.randint(0, int(model.config.vocab_size), (1, t + steps), generator=g).to(device)
-    prompt, nxt = ids[:, :t], ids[:, t:]
+    ids = torch.randint(0, int(model.config.vocab_size), (1, t + longest), generator=g).to(device)
+    prompt = ids[:, :t]
     counts: dict[tuple[str, str], OpCount] = {}
-    for label, name, bpd, v_bpd in CASES:
-        method = None if name is None else make_method(name, {}, shape, bpd, v_bpd, stats)
-        log.info("opcount: %s decode step (prefill %d, %d steps)", label, t, steps)
+    for label, name, bpd, v_bpd in cases:
+        method = methods[label]
+        n_steps = steps if method is None else decode_steps(method, steps)
+        nxt = ids[:, t : t + n_steps]
+        log.info("opcount: %s decode step (prefill %d, %d steps)", label, t, n_steps)
         if method is None:
             counts[label, "decode"] = plain_decode(model, prompt, nxt)
         else:
             counts[label, "decode"] = method_decode(model, method, prompt, nxt)
+        counts[label, "decode"].steps = n_steps
         if method is None or method.supports_in_pass:
             log.info("opcount: %s one-pass over %d tokens", label, t)
             counts[label, "one-pass"] = one_pass(model, method, prompt, None if sizes.name == "smoke" else TARGET_LAYERS)
     return rows_from(counts, t, steps, layers, shape)
+
+
+def decode_steps(method, steps: int) -> int:
+    """Decode steps that hold whole flush cycles of ``method``: ``steps`` (32 covers a residual
+    window or token group of up to 32), for GEAR the smallest multiple of its block n_b (64 or
+    96 at bpd 4) that is at least ``steps``: every n_b-th step compresses the buffered block,
+    and a mean over fewer steps would leave that out (or count it too often)."""
+    block = int(method.knobs().get("block") or 0) if method.name == "gear" else 0
+    return steps if block <= 0 else -(-steps // block) * block
 
 
 def rows_from(counts: dict, t: int, steps: int, layers: int, shape: ModelShape) -> list[Row]:
@@ -386,12 +418,13 @@ def rows_from(counts: dict, t: int, steps: int, layers: int, shape: ModelShape) 
     geometry = f"{shape.n_q_heads}/{shape.n_kv_heads} heads, d={shape.head_dim}"
     for regime in ("decode", "one-pass"):
         base = counts["fp16", regime]
-        n = layers * (steps if regime == "decode" else 1)
-        base_k = base.kernels / n
+        base_k = base.kernels / (layers * ((base.steps or steps) if regime == "decode" else 1))
         for label, name, bpd, v_bpd in CASES:
             if (label, regime) not in counts:
                 continue
             c = counts[label, regime]
+            n_steps = (c.steps or steps) if regime == "decode" else None
+            n = layers * (n_steps or 1)
             per = c.per(n)
             ratio = per["kernels"] / base_k
             what = "per layer per step" if regime == "decode" else f"per layer per {t}-token pass"
@@ -400,7 +433,7 @@ def rows_from(counts: dict, t: int, steps: int, layers: int, shape: ModelShape) 
                     f"syncs {per['syncs']:.2f}")
             detail = {
                 "method": name or "fp16", "plain_model": name is None, "regime": regime, "bpd": bpd,
-                "v_bpd": v_bpd, "tokens": t, "decode_steps": steps if regime == "decode" else None,
+                "v_bpd": v_bpd, "tokens": t, "decode_steps": n_steps,
                 "layers": layers, "kernels_per_layer": per["kernels"], "views_per_layer": per["views"],
                 "syncs_per_layer": per["syncs"], "host_ops_per_layer": per["host"],
                 "all_ops_per_layer": per["all"], "all_ops_ratio_to_fp16": per["all"] / base_k,
@@ -416,9 +449,10 @@ def rows_from(counts: dict, t: int, steps: int, layers: int, shape: ModelShape) 
                 rows.append(Row("opcount", row_name, "window ops / fp16 window ops", ratio, "x", "<=",
                                 H2O_WINDOW_RATIO, shown=shown, detail=detail,
                                 note=note + f"; {per_token:.2f} per token: the whole window's ops are bounded"))
-            elif name in CODECS:
+            elif name in CODECS or name in BASELINES:
                 rows.append(Row("opcount", row_name, "ops / fp16 ops", ratio, "x", "<=", CODEC_RATIO,
-                                shown=shown, note=note, detail=detail))
+                                shown=shown, note=note + (f"; mean of {n_steps} steps (whole flush cycles)"
+                                                          if n_steps and n_steps != steps else ""), detail=detail))
             else:
                 rows.append(Row("opcount", row_name, "ops / fp16 ops", ratio, "x", "info", 0.0,
                                 shown=shown, note=note + f"; {geometry}", detail=detail))
