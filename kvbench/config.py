@@ -1,6 +1,6 @@
 """What a job is: one typed reading of the Hydra config, and the budget and regime it implies.
 
-The Hydra config (conf/, DESIGN.md §4) stays the public contract: its keys and defaults are the
+The Hydra config (conf/, docs/design.md §4) stays the public contract: its keys and defaults are the
 YAML files'. :class:`JobConfig` reads the top level once, so that the harness reads attributes
 instead of ``cfg.get(...)`` scattered over its modules; each task reads its own section
 (:mod:`kvbench.tasks`), and the calibration section becomes a
@@ -78,9 +78,9 @@ class Budget:
 
 
 def budget(job: JobConfig, method) -> Budget:
-    """``method=fp16`` is the baseline whatever ``bpd`` says (DESIGN.md §4): 16/16 and no knobs.
+    """``method=fp16`` is the baseline whatever ``bpd`` says (docs/design.md §4): 16/16 and no knobs.
     Otherwise ``bpd=x`` is the key budget, values at 16 bits unless ``v_bpd`` is given, except for
-    token eviction, whose one budget covers keys and values alike (DESIGN.md §3)."""
+    token eviction, whose one budget covers keys and values alike (docs/design.md §3)."""
     auto = job.v_bpd == AUTO
     bpd_k = None if job.bpd is None else float(job.bpd)
     if method.name == "fp16":

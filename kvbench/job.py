@@ -1,4 +1,4 @@
-"""One job of a sweep, from a resolved config to a written ``result.json`` (DESIGN.md §4).
+"""One job of a sweep, from a resolved config to a written ``result.json`` (docs/design.md §4).
 
 The job's data flow, in order: the config read once (:mod:`kvbench.config`) → the model, loaded
 once per process (:mod:`kvbench.model.loading`) → the :class:`~kvbench.context.JobContext` →

@@ -1,4 +1,4 @@
-"""Hydra entry point: ``python -m kvbench.run [-m] KEY=VALUE ...`` (DESIGN.md §4).
+"""Hydra entry point: ``python -m kvbench.run [-m] KEY=VALUE ...`` (docs/design.md §4).
 
 One job = model × method × budget × seed (see :mod:`kvbench.job`); ``-m`` sweeps over
 comma-separated values. Outputs go under ``runs/`` (sweeps: ``runs/<date>_<time>/<overrides>``).

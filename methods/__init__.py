@@ -1,6 +1,6 @@
-"""Compression methods as pure tensor code (DESIGN.md §1: torch and numpy only).
+"""Compression methods as pure tensor code (docs/design.md §1: torch and numpy only).
 
-``REGISTRY`` maps the public method names of the command line (DESIGN.md §4) to their classes;
+``REGISTRY`` maps the public method names of the command line (docs/design.md §4) to their classes;
 ``build_method(name, **options)`` constructs one and names the valid choices on a typo.
 """
 

@@ -1,6 +1,6 @@
 """The contract between compression methods (tensors) and the harness (models).
 
-DESIGN.md §1-§2, docs/methods.md §0-§1. A method is a small dataclass with three duties:
+docs/design.md §1-§2, docs/methods.md §0-§1. A method is a small dataclass with three duties:
 
 1. **Budget** — ``configure(shape, bpd_k, bpd_v)`` maps the targets (bits per K / V element,
    metadata included, docs/methods.md §0) to the method's knobs, or raises :class:`Unsupported` naming
@@ -180,7 +180,7 @@ class KVMethod:
     supports_in_pass: ClassVar[bool] = True
     #: whether anything about the method depends on the seed (calibration windows aside)
     seeded: ClassVar[bool] = False
-    #: token eviction keeps whole tokens, so one budget covers K and V alike (DESIGN.md §3)
+    #: token eviction keeps whole tokens, so one budget covers K and V alike (docs/design.md §3)
     evicts_tokens: ClassVar[bool] = False
 
     def configure(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None) -> None:

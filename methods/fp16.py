@@ -1,6 +1,6 @@
 """FP16: the uncompressed reference (docs/methods.md §0: bpd = 16). Identity on every tensor.
 
-The baseline whatever ``bpd`` says (DESIGN.md §4): a budget target does not apply to it, so
+The baseline whatever ``bpd`` says (docs/design.md §4): a budget target does not apply to it, so
 ``configure`` accepts any target and the cache always stores 16 bits per element."""
 
 from __future__ import annotations

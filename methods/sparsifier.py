@@ -121,7 +121,7 @@ def round_half_up(x: float) -> int:
 
 
 def shared_target(name: str, bpd_k: float | None, bpd_v: float | None) -> float | None:
-    """Eviction keeps whole tokens, so one budget is spent on K and V alike (DESIGN.md §3)."""
+    """Eviction keeps whole tokens, so one budget is spent on K and V alike (docs/design.md §3)."""
     if bpd_k is not None and bpd_v is not None and abs(bpd_k - bpd_v) > 1e-12:
         raise Unsupported(
             f"{name} evicts whole tokens, so keys and values share one budget; got bpd={bpd_k} "

@@ -30,7 +30,7 @@ DEFAULT_OPTS = {"cobra_kl": {"c2": True, "rotation": "hadamard"},
 def write_run(root: Path, name: str, *, model="llama3_8b", method="cobra_kl", seed=0,
               status="ok", k=1.0, v=16.0, measured=True, ppl=None, zeroshot=None,
               longbench=None, options=None, experiment="main_table", limit=None) -> Path:
-    """Write one synthetic run directory ``root/name/result.json`` following DESIGN.md §4."""
+    """Write one synthetic run directory ``root/name/result.json`` following docs/design.md §4."""
     metrics = {}
     if ppl is not None:
         metrics["ppl"] = ppl

@@ -1,4 +1,4 @@
-"""Analysis defaults on any sweep (issue 11 item 5) and the † rule for measured bpd (item 2).
+"""Analysis defaults on any sweep and the † rule for measured bpd.
 
 Runs are built from ``tests/data/analysis_smollm2_cobra_kl_result.json``, a real result file of
 ``python -m kvbench.run`` (SmolLM2, offline embedded task: ptb + wiki_proxy, the five zero-shot

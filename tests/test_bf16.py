@@ -1,4 +1,4 @@
-"""Every method in bfloat16, the dtype of the GPU runs (issue 15, item 5).
+"""Every method in bfloat16, the dtype of the GPU runs.
 
 The tiny random Llama of the other integration tests is converted to bf16 after its calibration
 statistics are collected in float32 (as the harness does: statistics are float64 moments of the
@@ -114,7 +114,7 @@ def test_prefill_then_chunk_equals_prefill_then_steps_in_bf16(one_thread, model_
 
 def test_layer_states_keep_the_cache_in_bf16(model_bf16, ids):
     """The decoded working copies stay in the model's dtype: no float32 copy of the cache (the
-    per-step up-cast of finding 4) is kept, and decode steps return bf16."""
+    per-step up-cast) is kept, and decode steps return bf16."""
     model, stats = model_bf16
     kivi = configured_method(model, "kivi", {"residual": 32, "group": 16, "v_group": 16}, 4.0, 3.0, stats)
     svdq = configured_method(model, "svdq", {"group": 16, "v_group": 16}, 1.5, 3.0, stats)

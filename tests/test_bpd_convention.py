@@ -1,8 +1,8 @@
-"""Measured bpd, convention v3 (METHODS.md §0): what the cache held when each scored prediction
+"""Measured bpd, convention v3 (docs/methods.md §0): what the cache held when each scored prediction
 was made.
 
 Every method's mean-over-positions figure (PPL track A, zero-shot) is checked against a direct
-count of the bits its storage rule keeps (METHODS.md §2.3-2.4, §3.3, §4.3, §5.4-5.10, §6.3-6.4,
+count of the bits its storage rule keeps (docs/methods.md §2.3-2.4, §3.3, §4.3, §5.4-5.10, §6.3-6.4,
 §8, §13), written out here from the spec and from the knobs the method chose (bit widths, ranks,
 per-head budgets, group sizes, residual windows), never from the method's own bpd formulas or
 layer states; and the chunked pass against token-by-token decoding. The prefill-exact figure
@@ -75,7 +75,7 @@ def per_head_budgets(knobs, target: float, shape, side: str = "k") -> list[int]:
 
 def token_bits(method, shape, bpd, v_bpd) -> tuple[float, float]:
     """Bits stored per token, summed over the N KV heads, by a token-wise codec (every token
-    coded on arrival, the same cost whatever the position: METHODS.md §4.3, §5.9-5.10, §13)."""
+    coded on arrival, the same cost whatever the position: docs/methods.md §4.3, §5.9-5.10, §13)."""
     d, n = shape.head_dim, shape.n_heads_total
     knobs = method.knobs()
     if method.name == "fp16":
@@ -97,7 +97,7 @@ def token_bits(method, shape, bpd, v_bpd) -> tuple[float, float]:
 
 
 def direct_bpd(method, shape, t: int, bpd=None, v_bpd=None) -> tuple[list[float], list[float]]:
-    """bpd_K, bpd_V per query position p = 0..t-1 from the METHODS.md storage rules."""
+    """bpd_K, bpd_V per query position p = 0..t-1 from the docs/methods.md storage rules."""
     d, n_heads = shape.head_dim, shape.n_heads_total
     ks, vs = [], []
     knobs = method.knobs()
@@ -175,7 +175,7 @@ def test_track_a_mean_over_positions_equals_direct_computation(model_and_stats, 
 def test_kivi_example_of_methods_section_0():
     """KIVI b=2, G=32, R=128 at T=2048: 3.00 at the end of the window, 4.885 over positions.
 
-    METHODS.md §0 quotes 4.86: that is the end-of-sequence formula §2.4 evaluated at every length
+    docs/methods.md §0 quotes 4.86: that is the end-of-sequence formula §2.4 evaluated at every length
     t = p + 1, which counts a block of R keys as quantized from the query at p = R - 1 on; by §2.3
     that query still reads them at full precision (s < R floor(p/R) = 0), hence 4.885."""
     state = KiviLayerState(2, 32, 128, None, None)

@@ -1,4 +1,4 @@
-"""The calibrated fixed step of METHODS.md §1.1b: the search, its use by KQ-SVD (default), KV-COBRA
+"""The calibrated fixed step of docs/methods.md §1.1b: the search, its use by KQ-SVD (default), KV-COBRA
 (``step="calibrated"``) and the rotated value codec, and the calibration sample it needs."""
 
 import math

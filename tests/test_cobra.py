@@ -1,4 +1,4 @@
-"""KV-COBRA method (METHODS.md §5): codec vs naive reference, exactness, decode equivalence, bpd."""
+"""KV-COBRA method (docs/methods.md §5): codec vs naive reference, exactness, decode equivalence, bpd."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""KV-COBRA allocation (METHODS.md §5.3-§5.5) against brute-force references."""
+"""KV-COBRA allocation (docs/methods.md §5.3-§5.5) against brute-force references."""
 
 import itertools
 import time

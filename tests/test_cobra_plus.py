@@ -1,4 +1,4 @@
-"""cobra_plus (METHODS.md §13, issue 14): budgets, switches, joint K/V allocation, KKT vs brute force,
+"""cobra_plus (docs/methods.md §13): budgets, switches, joint K/V allocation, KKT vs brute force,
 alpha plumbing, in-pass == decode."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""The selection of cobra_plus's defaults (METHODS.md §13, §1.2): the coordinate descent, the
+"""The selection of cobra_plus's defaults (docs/methods.md §13, §1.2): the coordinate descent, the
 stated search, the job that runs it, and the shipped defaults against the shipped table."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""compose(evict, codec), METHODS.md §12: eviction x codec in one cache.
+"""compose(evict, codec), docs/methods.md §12: eviction x codec in one cache.
 
 Checked against references that do not use the composed states: a naive per-head loop of H2O over
 KIVI-stored tokens (arrival-indexed rules, groups of the kept members only), H2O's own naive
 reference run over decoded tokens, KIVI's own layer state run on SnapKV's kept sequence, the codec
 alone (keep=1), the eviction alone (exact codec), and direct counts of the stored bits and of what
-each query read (METHODS.md §0 v2).
+each query read (docs/methods.md §0 v2).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def test_fitted_rho_spends_the_target_and_unreachable_targets_name_the_range():
     k = m.knobs()
     assert k["fitted"] and k["predicted_bpd_kv"] == pytest.approx(1.0, abs=2e-3)
     assert k["positions"] == "none" and k["predicted_positions_bpd_k"] == 0  # KIVI is post-RoPE
-    # prefill-exact: the headline is the mean over the 512 scored reads (METHODS.md §0 v3), the
+    # prefill-exact: the headline is the mean over the 512 scored reads (docs/methods.md §0 v3), the
     # prefill's own prediction at C_0 = round(0.25 * 1536) kept tokens, then 511 decoded targets,
     # each appended (decode=keep)
     c0, j = round(0.25 * 1536), np.arange(512)
@@ -560,7 +560,7 @@ def test_h2o_cobra_one_pass_equals_decoding_on_smollm2(smollm2):
 
 
 # ------------------------------------------------------------------------------------------------
-# positions of held tokens under a pre-RoPE codec (METHODS.md §12.3)
+# positions of held tokens under a pre-RoPE codec (docs/methods.md §12.3)
 
 
 @pytest.mark.parametrize("n_seen", [2, 100, 256, 257, 1536, 2048, 2049, 70_000])
@@ -639,7 +639,7 @@ def test_prefill_rotation_reads_the_stored_positions(model_and_stats, monkeypatc
 def test_fitted_pre_rope_budget_is_met_in_the_prefill_regime(model_and_stats, evict, ev, bpd):
     """compose(·, KV-COBRA) fitted to bpd_KV in a 400-token prefill + 99 decoded regime: the
     measured headline, the mean over the 100 scored reads (the prefill's own prediction at the
-    end-of-prefill figure, then the decoded ones, METHODS.md §0 v3), positions included, is the
+    end-of-prefill figure, then the decoded ones, docs/methods.md §0 v3), positions included, is the
     prediction and the target within 2%."""
     model, stats = model_and_stats
     p, n = 400, 99

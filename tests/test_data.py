@@ -1,4 +1,4 @@
-"""Corpus loaders and windows (METHODS.md §1.2, §9.1)."""
+"""Corpus loaders and windows (docs/methods.md §1.2, §9.1)."""
 
 from __future__ import annotations
 

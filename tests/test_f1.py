@@ -1,5 +1,5 @@
 """LongBench's normalize_answer / qa_f1_score and the Chinese qa_f1_zh_score on hand-worked
-cases (METHODS.md §9.3)."""
+cases (docs/methods.md §9.3)."""
 
 import importlib.util
 

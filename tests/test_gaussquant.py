@@ -1,4 +1,4 @@
-"""Fixed-step Gaussian quantizer (METHODS.md §1.1) against its table and naive references."""
+"""Fixed-step Gaussian quantizer (docs/methods.md §1.1) against its table and naive references."""
 
 import math
 
@@ -16,7 +16,7 @@ from methods.gaussquant import (
 
 pytestmark = pytest.mark.numerics
 
-# METHODS.md §1.1 (b <= 5 reproduces Max 1960)
+# docs/methods.md §1.1 (b <= 5 reproduces Max 1960)
 TABLE_STEP = {1: 1.596, 2: 0.996, 3: 0.586, 4: 0.335, 5: 0.188, 6: 0.104, 7: 0.0569, 8: 0.0308}
 TABLE_MSE = {1: 0.363, 2: 0.119, 3: 0.0374, 4: 0.0115, 5: 0.00350, 6: 0.00104, 7: 3.04e-4, 8: 8.77e-5}
 

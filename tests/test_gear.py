@@ -1,4 +1,4 @@
-"""GEAR (methods/gear.py, METHODS.md §15) against the official code and a naive reference.
+"""GEAR (methods/gear.py, docs/methods.md §15) against the official code and a naive reference.
 
 The official functions are transcribed below from opengear-project/GEAR at commit efe0bfe,
 ``GenerationBench/GenerationTest/GEARLM/Simulated/compress_function.py`` (line numbers of that
@@ -350,7 +350,7 @@ def test_one_pass_equals_token_by_token_and_the_reference():
 
 
 def test_without_s_and_l_the_keys_are_kivi_with_the_residual_n_b():
-    """GEAR's buffer rule for keys is KIVI's key rule with R = n_b (METHODS.md §2.3, §15.5): with
+    """GEAR's buffer rule for keys is KIVI's key rule with R = n_b (docs/methods.md §2.3, §15.5): with
     s = 0 and r = 0 (values exact) both caches give the same attention and store the same bits, in
     one pass, token by token and after a prefill."""
     t = 90
@@ -430,7 +430,7 @@ def test_read_bits_follow_the_buffer_rule_and_the_headline_formula():
 
 
 def _measured_headline(method, shape, regime, seed=0, dtype=torch.float64):
-    """The headline bpd_K of one layer state fed random tensors in ``regime`` (METHODS.md §0 v3)."""
+    """The headline bpd_K of one layer state fed random tensors in ``regime`` (docs/methods.md §0 v3)."""
     h, d = shape.n_kv_heads, shape.head_dim
     g = torch.Generator().manual_seed(seed)
     n = regime.tokens + regime.decode

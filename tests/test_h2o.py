@@ -1,4 +1,4 @@
-"""H2O (METHODS.md §6) against a naive reference with explicit kept lists per head."""
+"""H2O (docs/methods.md §6) against a naive reference with explicit kept lists per head."""
 
 import math
 
@@ -271,7 +271,7 @@ def test_bad_inputs():
 @pytest.mark.parametrize("target", [1.0, 2.0, 4.0])
 def test_measured_budget_holds_the_target_over_query_positions(target):
     """Default budget='measured': in Q-all ρ is fitted so that what the queries read, averaged
-    over positions (METHODS.md §0 v2, min_budget floor and the query itself included), is the
+    over positions (docs/methods.md §0 v2, min_budget floor and the query itself included), is the
     target; in a prefill regime the end of prefill is, so ρ keeps the §6.4 formula."""
     t, d = 1024, 64
     q, k, v = make_qkv(1, 2, 2, t, d, seed=71)

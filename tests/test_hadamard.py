@@ -1,4 +1,4 @@
-"""Hadamard constructions and the equalizing rotation (METHODS.md §5.7)."""
+"""Hadamard constructions and the equalizing rotation (docs/methods.md §5.7)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The hot paths of issue 15 (findings 1-7): what a GPU would pay per token, checked on the CPU.
+"""The hot paths: what a GPU would pay per token, checked on the CPU.
 
 * H2O's one-pass recursion: a handful of fused ops per token for all heads (<= 20 is the target;
   six when a token is evicted, four otherwise), one block of logits alive at a time, the same
@@ -84,7 +84,7 @@ def test_h2o_one_pass_costs_a_few_ops_per_token():
     evicted = t - state.n_kept
     per_token = len(ops) / t
     names = [e.name for e in ops]
-    assert per_token <= 20  # issue 15's target
+    assert per_token <= 20  # the per-token op target
     # per token: mask add, softmax, write-back, score GEMM; per eviction: argmax, one scatter;
     # a few ops per row block
     assert names.count("aten::_softmax") == names.count("aten::addmm_") == t
@@ -94,7 +94,7 @@ def test_h2o_one_pass_costs_a_few_ops_per_token():
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_h2o_one_block_of_logits_at_a_time_and_any_block_size_is_exact(monkeypatch, rows):
-    """Finding 7: T^2/2 Hq 4 bytes of logit blocks were alive at once. Now each block is freed
+    """Only one block of logits is alive at a time (not T^2/2 Hq 4 bytes): each block is freed
     before the next is made, and the result does not depend on the block size (float64, against
     the naive reference of tests/test_h2o.py)."""
     q, k, v = make_qkv(2, 2, 3, 90, 16, torch.float64, seed=5)
@@ -125,7 +125,7 @@ def test_h2o_block_rows_shrink_with_the_element_budget(monkeypatch):
 
 
 def test_h2o_prefill_column_sums_take_five_ops_per_block():
-    """Finding 2: the keys are cast once, not per block; blocks are taller where they read fewer keys."""
+    """The keys are cast once, not per block; blocks are taller where they read fewer keys."""
     g, t, d = 2, 300, 16
     q, k, _ = make_qkv(1, 2, g, t, d, seed=2)
     block = 4 * 7200  # B * Hq = 4 query heads: 7200 logits per head and block
@@ -141,7 +141,7 @@ def test_h2o_prefill_column_sums_take_five_ops_per_block():
 
 
 # ------------------------------------------------------------------------------------------------
-# Attention without expanding grouped heads (finding 4)
+# Attention without expanding grouped heads
 
 
 @pytest.mark.parametrize("tq,tk", [(40, 40), (1, 40), (7, 40)])
@@ -249,7 +249,7 @@ def test_growing_buffer_adopts_without_copying_and_never_writes_the_adopted_tens
 
 
 def test_svdq_basis_moves_to_a_device_once_per_layer(model_and_stats):
-    """Finding 5: every layer state used to copy the calibration basis from the CPU."""
+    """No layer state copies the calibration basis from the CPU."""
     model, stats = model_and_stats
     m = configured_method(model, "svdq", {"group": 16, "basis": "calib"}, 2.0, None, stats)
     a, b = m.new_layer_state(1), m.new_layer_state(1)
@@ -261,7 +261,7 @@ def test_svdq_basis_moves_to_a_device_once_per_layer(model_and_stats):
 
 
 # ------------------------------------------------------------------------------------------------
-# The prefill computes one row of logits (finding 3)
+# The prefill computes one row of logits
 
 
 def test_prefill_asks_the_model_for_the_last_row_only(model_and_stats):
@@ -322,7 +322,7 @@ def test_logits_argument_names_either_version_or_none():
 
 
 # ------------------------------------------------------------------------------------------------
-# Host syncs: the Gaussian quantizer with one integer width (finding 5)
+# Host syncs: the Gaussian quantizer with one integer width
 
 
 def test_integer_width_quantizer_equals_the_tensor_path_and_makes_no_width_tensor():
@@ -344,7 +344,7 @@ def test_integer_width_quantizer_equals_the_tensor_path_and_makes_no_width_tenso
 
 
 # ------------------------------------------------------------------------------------------------
-# Launch counts of the codecs (issue 15, item 6): a fixed handful of ops per call
+# Launch counts of the codecs: a fixed handful of ops per call
 
 
 def _naive_stream(codes: torch.Tensor, widths: list[int]) -> list[int]:
@@ -431,7 +431,7 @@ OPS_CASES = [
 
 @pytest.mark.parametrize("name,options,bpd,v_bpd", OPS_CASES, ids=lambda x: str(x))
 def test_codec_decode_steps_stay_within_three_times_fp16s_ops(model_and_stats, name, options, bpd, v_bpd):
-    """Issue 15's target with the bench's own counting rule (``kvbench.bench.opcount``) on the
+    """The per-token op target with the bench's own counting rule (``kvbench.bench.opcount``) on the
     tiny model: per layer and decode step at most 3x the plain model's 13 ops; the latent codecs'
     one-pass forward at most 3x its 11 (the host-side bookkeeping of the bits read is apart)."""
     from kvbench.bench import opcount

@@ -1,4 +1,4 @@
-"""Methods inside a real transformers model (DESIGN.md §2, METHODS.md §1.3).
+"""Methods inside a real transformers model (docs/design.md §2, docs/methods.md §1.3).
 
 The central invariant: the single teacher-forced pass (Q-all: perplexity track A, zero-shot) must
 give exactly what token-by-token decoding through the compressed cache gives. Every method but

@@ -1,4 +1,4 @@
-"""KIVI (methods/kivi.py) against a naive per-query implementation of METHODS.md §2.3 and §2.4."""
+"""KIVI (methods/kivi.py) against a naive per-query implementation of docs/methods.md §2.3 and §2.4."""
 
 import math
 
@@ -161,7 +161,7 @@ def test_bpd_paper_point_t2048():
     st.attend(q, k, v, scaling=1.0, prefill=True)
     bk, bv = st.stored_bits()
     assert bk / (t * d) == 3.0
-    assert bv / (t * d) == 3.8125  # 3.81 in METHODS.md §2.4
+    assert bv / (t * d) == 3.8125  # 3.81 in docs/methods.md §2.4
     assert kivi_bpd(2048, 2, 32, 0) == 3.0 and kivi_bpd(2048, 2, 32, 128) == 3.8125
 
 
@@ -220,7 +220,7 @@ TRACK_B = Regime("prefill", 1536, 511)  # PPL track B: the prefill's prediction 
 
 
 def naive_headline(bits, group, residual, regime, side, d=128):
-    """METHODS.md §0 v3 / §2.3 counted bit by bit, one scored position at a time: codes of b bits,
+    """docs/methods.md §0 v3 / §2.3 counted bit by bit, one scored position at a time: codes of b bits,
     a 16-bit scale and a 16-bit minimum per group of G, 16 bits per full-precision element."""
     def held(n, quant):  # bits of one channel (keys) or one token row's share (values), per element
         if side == "k":  # quant tokens of one channel in quant / G groups, the rest fp16
@@ -367,7 +367,7 @@ def test_explicit_knobs_run_as_set_and_say_so():
     kn = m.knobs()
     assert (kn["bits"], kn["group"], kn["residual"], kn["fitted"]) == (2, 32, 128, False)
     assert "explicit knobs" in kn["not_fitted"] and "residual=128" in kn["not_fitted"]
-    assert kn["predicted"]["bpd_k"] == pytest.approx(4.8848, abs=1e-4)  # METHODS.md §0's example
+    assert kn["predicted"]["bpd_k"] == pytest.approx(4.8848, abs=1e-4)  # docs/methods.md §0's example
     m = Kivi(residual=32)  # one knob given: the others mapped as budget=nominal maps them
     m.configure(SHAPE, 4.0, None)
     assert (m.knobs()["bits"], m.knobs()["group"], m.knobs()["fitted"]) == (3, 32, False)

@@ -1,4 +1,4 @@
-"""KQ-SVD harness baseline (METHODS.md §4): factors, budget mapping, codec, bpd."""
+"""KQ-SVD harness baseline (docs/methods.md §4): factors, budget mapping, codec, bpd."""
 
 import math
 
@@ -64,7 +64,7 @@ def test_cholesky_ridge_on_rank_deficient():
 
 
 def test_candidates():
-    # METHODS.md §4.3 lists (32,2)/(16,4) for 0.5; (8,8) also satisfies r*b = 64 with r even, b <= 8
+    # docs/methods.md §4.3 lists (32,2)/(16,4) for 0.5; (8,8) also satisfies r*b = 64 with r even, b <= 8
     assert candidates(0.5, 128) == [(8, 8), (16, 4), (32, 2)]
     assert candidates(1.0, 128) == [(16, 8), (32, 4), (64, 2)]
     assert candidates(0.3, 64) == []

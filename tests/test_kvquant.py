@@ -1,4 +1,4 @@
-"""KVQuant (METHODS.md §14): parity with the official simulator, calibration, bit count, budget map,
+"""KVQuant (docs/methods.md §14): parity with the official simulator, calibration, bit count, budget map,
 regimes.
 
 The official code (SqueezeAILab/KVQuant, ``quant/kvquant/simquant_module_quantizer.py`` at its

@@ -1,4 +1,4 @@
-"""LongBench v1 mechanics (METHODS.md §9.3; THUDM/LongBench pred.py, eval.py)."""
+"""LongBench v1 mechanics (docs/methods.md §9.3; THUDM/LongBench pred.py, eval.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""longqa_squad: the embedded long-context QA stand-in (DESIGN.md §5; not LongBench)."""
+"""longqa_squad: the embedded long-context QA stand-in (docs/design.md §5; not LongBench)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _job_items(tokenizer, seed: int, item_seed=None) -> dict:
 
 
 def test_job_seeds_score_the_same_questions(tokenizer, pool):
-    """Issue 11 item 6: the items come from the task's item seed, never the job seed."""
+    """The items come from the task's item seed, never the job seed."""
     runs = {seed: _job_items(tokenizer, seed) for seed in (0, 1)}
     ids = {s: [r["id"] for r in run["predictions"]["longqa_squad"]] for s, run in runs.items()}
     assert len(ids[0]) == 2 and ids[0] == ids[1]

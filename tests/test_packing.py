@@ -42,7 +42,7 @@ def test_rejects_out_of_range_and_float_codes():
 
 
 def test_range_check_is_off_by_default_and_syncs_nothing():
-    """issue 15: the check is two device->host syncs per call, so hot paths do not run it."""
+    """The check is two device->host syncs per call, so hot paths do not run it."""
     from torch.profiler import ProfilerActivity, profile
 
     import methods.packing as packing

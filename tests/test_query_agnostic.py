@@ -1,4 +1,4 @@
-"""Query-aware vs query-agnostic generation (METHODS.md §9.5): the split, the two-stage prefill."""
+"""Query-aware vs query-agnostic generation (docs/methods.md §9.5): the split, the two-stage prefill."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""result.json: schema of DESIGN.md §4 and the atomic write."""
+"""result.json: schema of docs/design.md §4 and the atomic write."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RULER through lm-eval's task definitions, offline (METHODS.md §9.4; DESIGN.md §5 naming)."""
+"""RULER through lm-eval's task definitions, offline (docs/methods.md §9.4; docs/design.md §5 naming)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The job: Hydra config -> result.json (DESIGN.md §4), on a tiny checkpoint with SmolLM2's tokenizer."""
+"""The job: Hydra config -> result.json (docs/design.md §4), on a tiny checkpoint with SmolLM2's tokenizer."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_result_reports_the_convention_and_the_end_of_sequence_figure(tmp_path, 
 
 
 def test_auto_kv_split_is_chosen_on_heldout_calibration_windows(tmp_path, tiny_checkpoint, monkeypatch):
-    """METHODS.md §5.8: bpd=β v_bpd=auto tries b_V in 2..8 with bpd_K = 2β - b_V, by held-out
+    """docs/methods.md §5.8: bpd=β v_bpd=auto tries b_V in 2..8 with bpd_K = 2β - b_V, by held-out
     calibration PPL, and caches the choice."""
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
     r = _job(tmp_path / "a", tiny_checkpoint, "method=cobra_kl", "bpd=2.5", "v_bpd=auto")

@@ -1,4 +1,4 @@
-"""Calibration, selection and evaluation text never overlap (METHODS.md §1.2 "Separation").
+"""Calibration, selection and evaluation text never overlap (docs/methods.md §1.2 "Separation").
 
 For every embedded calibration corpus (ptb, wiki_proxy) and the five calibration seeds: the
 calibration windows and the held-out selection windows are token ranges of the corpus's train split

@@ -1,5 +1,5 @@
 """The real SmolLM2-135M (30 layers, 9 query / 3 KV heads, d = 64): the in-pass simulation equals
-decoding through the compressed cache, and an exact codec reproduces FP16 (METHODS.md §1.3).
+decoding through the compressed cache, and an exact codec reproduces FP16 (docs/methods.md §1.3).
 
 The in-pass-vs-decoding checks through a rounding quantizer run the model in float64. In float32,
 one forward of 256 tokens and 256 one-token forwards give keys ~1e-5 apart (the BLAS kernels block

@@ -1,4 +1,4 @@
-"""SnapKV (METHODS.md §7) against a naive reference (Python loops, float64)."""
+"""SnapKV (docs/methods.md §7) against a naive reference (Python loops, float64)."""
 
 import math
 
@@ -196,7 +196,7 @@ def test_bad_inputs():
 
 
 # ------------------------------------------------------------------------------------------------
-# decode=evict (METHODS.md §7.3): re-selection every decode_interval steps
+# decode=evict (docs/methods.md §7.3): re-selection every decode_interval steps
 
 
 def naive_pool(s, kernel, pooling):

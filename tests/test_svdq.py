@@ -1,4 +1,4 @@
-"""SVDq (methods/svdq.py) against naive references of METHODS.md §3 and §1.1."""
+"""SVDq (methods/svdq.py) against naive references of docs/methods.md §3 and §1.1."""
 
 import math
 
@@ -363,7 +363,7 @@ def test_measured_budget_in_a_prefill_regime_counts_the_basis():
         return (nq * quant + (n - nq) * 16 + basis) / n
 
     end = held(1536, g * (1536 // g))  # the stored prompt: every complete group quantized
-    # METHODS.md §0 v3: the 512 scored targets are the prefill's own prediction (the stored prompt)
+    # docs/methods.md §0 v3: the 512 scored targets are the prefill's own prediction (the stored prompt)
     # and 511 decoded queries; the one at p reads p + 1 keys, those below g floor(p/g) quantized
     decoded = [held(p + 1, g * (p // g)) for p in range(1536, 2047)]
     direct = (end + sum(decoded)) / 512

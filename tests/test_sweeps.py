@@ -1,4 +1,4 @@
-"""Sweeps (issue 6): experiment configs, job identity, the seed rule, launchers, and a resumable
+"""Sweeps: experiment configs, job identity, the seed rule, launchers, and a resumable
 sweep through ``submitit_local`` that is killed part-way and rerun.
 
 The sweep test runs 2 methods × 2 budgets × 2 seeds of a tiny random Llama (saved to a tmp dir

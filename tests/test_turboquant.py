@@ -1,4 +1,4 @@
-"""TurboQuant (methods/turboquant.py) against METHODS.md §16.9's checks.
+"""TurboQuant (methods/turboquant.py) against docs/methods.md §16.9's checks.
 
 There is no official TurboQuant code (§16), so the oracle is written here from the paper's
 equations: a Lloyd-Max fixed point on a 2·10^6-point grid of f_d (not the module's quadrature and
@@ -494,7 +494,7 @@ def test_in_pass_equals_token_by_token_decoding(model64, opts, bpd, v_bpd):
         try:
             in_pass = model(input_ids=ids, use_cache=False).logits
             bpd_in_pass = comp.measured_bpd()
-            reads = comp.read_bpd()  # what each query read (METHODS.md §0): the same at every position
+            reads = comp.read_bpd()  # what each query read (docs/methods.md §0): the same at every position
             with comp.session():
                 stepped = _step_by_step(comp, ids)
             bpd_stepped = comp.measured_bpd()

@@ -1,4 +1,4 @@
-"""Zero-shot through lm-eval (METHODS.md §9.2): offline task copies, the CompressedLM HFLM."""
+"""Zero-shot through lm-eval (docs/methods.md §9.2): offline task copies, the CompressedLM HFLM."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_summarize_headline_metrics():
         },
     }
     res = zs.summarize(out, ["piqa", "winogrande"], offline=True)
-    assert res["piqa"] == 0.7 and res["winogrande"] == 0.5  # acc_norm vs acc (METHODS.md §9.2)
+    assert res["piqa"] == 0.7 and res["winogrande"] == 0.5  # acc_norm vs acc (docs/methods.md §9.2)
     assert res["avg"] == pytest.approx(0.6)
     assert res["acc"] == {"piqa": 0.6, "winogrande": 0.5}
     assert res["acc_norm"] == {"piqa": 0.7, "winogrande": None}

@@ -1,4 +1,4 @@
-"""Putting a method into a transformers model (DESIGN.md §2; docs/methods.md §1.3).
+"""Putting a method into a transformers model (docs/design.md §2; docs/methods.md §1.3).
 
 ``with attached(model, method) as comp:`` is how the harness puts a method in a model: it
 registers one attention function, ``"kvbench"``, with transformers'

