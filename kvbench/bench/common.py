@@ -7,6 +7,7 @@ stable answers; the median over repetitions is reported after a warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -301,13 +302,15 @@ class Row:
 def attached_around(lm, method) -> tuple[Callable[[], None], Callable[[], None]]:
     """(setup, teardown) that attach ``method`` to ``lm``'s model around a timed pass and detach it
     afterwards, so the FP16 baseline runs on the unpatched model."""
-    from ..model.integrate import attach
+    from ..model.integrate import attached
+
+    stack = contextlib.ExitStack()
 
     def setup():
-        lm.compressor = attach(lm.model, method)
+        lm.compressor = stack.enter_context(attached(lm.model, method))
 
     def teardown():
-        lm.compressor.detach()
+        stack.close()
         lm.compressor = None
 
     return setup, teardown

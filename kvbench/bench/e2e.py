@@ -36,7 +36,7 @@ holding many times plain's cache would stay under 1.1x. The growth ratio, prefil
 bytes ratios are in the note and in the e2e table that ``python -m kvbench.bench`` prints after
 the main one.
 
-Decisions where METHODS.md is silent:
+Decisions where docs/methods.md is silent:
 
 * Prompts are random token ids (seeded; the model is random too): lengths and shapes are what
   cost time and memory, not the text. No stop tokens: every case generates exactly ``n`` tokens.
@@ -60,7 +60,7 @@ import time
 import torch
 
 from ..model.compressed_lm import CompressedLM
-from ..model.integrate import attach, cache_argument, model_shape, returned_cache
+from ..model.integrate import attached, cache_argument, model_shape, returned_cache
 from .common import (EVAL_CASES, INFO, BenchModel, Row, Sizes, bench_dtype, budget_label, calib_windows, dtype_name,
                      fmt_bytes, make_method, model_stats, sync)
 from .memory import resident_bytes
@@ -222,8 +222,7 @@ def plain_generate(model, ids: torch.Tensor, n: int, device) -> dict:
 def method_generate(model, method, ids: torch.Tensor, n: int, device) -> dict:
     """``CompressedLM.generate`` with ``method`` attached; the prefill is timed by wrapping the
     compressor's first ``forward``, and the layer states are kept for the byte counts."""
-    comp = attach(model, method)
-    try:
+    with attached(model, method) as comp:
         lm = CompressedLM(model, None, comp)
         marks: dict = {}
         inner = comp.forward
@@ -248,8 +247,6 @@ def method_generate(model, method, ids: torch.Tensor, n: int, device) -> dict:
         stored = sum(b[0] + b[1] for b in comp.last_bits) / 8
         return {"prefill_s": marks["prefill_end"] - t0, "decode_s": t2 - marks["prefill_end"], "tokens": new,
                 "stored_bytes": stored, "resident_bytes": resident, "measured_bpd": list(lm.measured_bpd)}
-    finally:
-        comp.detach()
 
 
 def run_case(fn, probe: MemoryProbe, device) -> dict:

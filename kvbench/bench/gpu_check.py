@@ -163,13 +163,12 @@ def _plain_steps(model, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def in_pass_gap(model, method, ids: torch.Tensor) -> float:
     """max |Δlogit| between the one-pass form and token-by-token decoding (see the module docstring)."""
-    from ..model.integrate import attach
+    from ..model.integrate import attached
 
     if method is None:
         one = model(input_ids=ids, use_cache=False).logits
         return float((one - _plain_steps(model, ids)).abs().max())
-    comp = attach(model, method)
-    try:
+    with attached(model, method) as comp:
         t = ids.shape[1]
         if method.supports_in_pass:
             one = model(input_ids=ids, use_cache=False).logits
@@ -184,8 +183,6 @@ def in_pass_gap(model, method, ids: torch.Tensor) -> float:
             comp.forward(ids[:, :p], 0, prefill=True)
             steps = [comp.forward(ids[:, i : i + 1], i, prefill=False) for i in range(p, t)]
         return float((chunk - torch.cat(steps, 1)).abs().max())
-    finally:
-        comp.detach()
 
 
 def window_ppl(lm, window: torch.Tensor, preset: Preset) -> dict:
@@ -204,11 +201,10 @@ def check_method(bm: BenchModel, label, name, method, window, preset: Preset) ->
     """PPL window, one longqa_squad item and the run-dtype in-pass gap of one method."""
     from ..model.compressed_lm import CompressedLM
     from ..tasks.longqa_squad import evaluate_longqa_squad
-    from ..model.integrate import attach
+    from ..model.integrate import attached
 
     out: dict = {"label": label, "method": name or "fp16", "options": method_options(method)}
-    comp = attach(bm.model, method) if method is not None else None
-    try:
+    with attached(bm.model, method) as comp:
         lm = CompressedLM(bm.model, bm.tokenizer, comp)
         out["ppl"] = window_ppl(lm, window, preset)
         t0 = time.perf_counter()
@@ -217,9 +213,6 @@ def check_method(bm: BenchModel, label, name, method, window, preset: Preset) ->
         out["longqa"] = {"f1": res["f1"], "seconds": time.perf_counter() - t0, "prompt_tokens": rec["prompt_tokens"],
                          "prediction": rec["prediction"], "answers": rec["answers"], "id": rec["id"],
                          "measured_bpd": list(lm.measured_bpd)}
-    finally:
-        if comp is not None:
-            comp.detach()
     out["inpass_dtype"] = in_pass_gap(bm.model, method, window[: preset.inpass_tokens][None].to(bm.device))
     return out
 
@@ -411,7 +404,7 @@ def reference_figures(preset: Preset, cases, dtype: torch.dtype = torch.float32)
     """Every case's perplexity on the preset's window on the CPU, in float32: one preset's entry
     of the reference file (another ``dtype`` measures what that dtype's rounding moves)."""
     from ..model.compressed_lm import CompressedLM
-    from ..model.integrate import attach, model_shape
+    from ..model.integrate import attached, model_shape
 
     bm, _, stats, data = load_smollm2("cpu", dtype)
     window, data = ppl_window(bm, preset, data)
@@ -420,12 +413,8 @@ def reference_figures(preset: Preset, cases, dtype: torch.dtype = torch.float32)
     for label, name, options, bpd, v_bpd in cases:
         log.info("reference: %s", label)
         method = None if name is None else make_method(name, options, shape, bpd, v_bpd, stats)
-        comp = None if method is None else attach(bm.model, method)
-        try:
+        with attached(bm.model, method) as comp:
             p = window_ppl(CompressedLM(bm.model, bm.tokenizer, comp), window, preset)
-        finally:
-            if comp is not None:
-                comp.detach()
         if not math.isfinite(p["value"]):
             raise RuntimeError(f"reference: {label} gives a non-finite perplexity; nothing written")
         methods[label] = {"method": name or "fp16", "bpd": bpd, "v_bpd": v_bpd, "options": method_options(method),

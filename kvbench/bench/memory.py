@@ -1,5 +1,5 @@
 """§4 of ``python -m kvbench.bench``: bytes the compressed cache holds after a prefill, and the
-measured bpd against each method's formula (METHODS.md §8, ``method.nominal_bpd(T)``).
+measured bpd against each method's formula (docs/methods.md §8, ``method.nominal_bpd(T)``).
 
 One exact prefill of ``mem_tokens`` tokens runs through the model with a recording layer state
 attached (:func:`kvbench.integrate.attach`, ``session()``, ``prefill=True``), keeping what every
@@ -27,7 +27,7 @@ from methods import KVMethod, LayerState
 from methods.attention import causal_attention
 
 from .common import MEMORY_CASES, BenchModel, Row, Sizes, budget_label, eval_windows, fmt_bytes, make_method
-from ..model.integrate import attach, model_shape
+from ..model.integrate import attached, model_shape
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +69,11 @@ class _Recorder(KVMethod):
 def capture(bm: BenchModel, ids: torch.Tensor) -> list[tuple]:
     """Per layer (q, k, v, k_pre, rope, scaling) of an exact prefill of ``ids`` [1, T]."""
     rec = _Recorder()
-    comp = attach(bm.model, rec)
-    try:
-        with comp.session():
-            comp.prefill = True
-            ids = ids.to(bm.device)
-            pos = torch.arange(ids.shape[1], device=bm.device)[None]
-            bm.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
-    finally:
-        comp.detach()
+    with attached(bm.model, rec) as comp, comp.session():
+        comp.prefill = True
+        ids = ids.to(bm.device)
+        pos = torch.arange(ids.shape[1], device=bm.device)[None]
+        bm.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
     return [rec.sink[i] for i in range(len(rec.sink))]
 
 

@@ -15,7 +15,7 @@ What is profiled, per method (``torch.profiler``, CPU activities, one thread):
   runs FP16.
 * **one-pass** — one teacher-forced (Q-all) forward of ``ops_tokens`` tokens, as perplexity track A
   and zero-shot run it (``model(ids, use_cache=False)`` with the method attached; FP16: the plain
-  ``sdpa`` model). SnapKV has no one-pass form (METHODS.md §7.4) and gets no row.
+  ``sdpa`` model). SnapKV has no one-pass form (docs/methods.md §7.4) and gets no row.
 
 What is counted: the aten ops that run inside each decoder layer's ``self_attn.forward`` **except
 those inside its q/k/v/o projections** (the model's own matmuls, identical for every method), i.e.
@@ -46,7 +46,7 @@ layers / L). The counting rules (:func:`count_events`; docs/performance.md state
   cost). The figure with the host ops (each is host time, like a launch's) is reported beside it
   in the note and the JSON (``all_ops_per_layer``).
 
-Decisions where METHODS.md is silent (it says nothing about performance):
+Decisions where docs/methods.md is silent (it says nothing about performance):
 
 * Device-dependent dispatch follows the GPU: KIVI's and SVDq's long chunks take one SDPA call on a
   GPU but the per-group loop on a CPU (``methods.kivi.CPU_SINGLE_CALL_QUERIES``); the one-pass is
@@ -84,7 +84,7 @@ from methods import ModelShape
 from methods.blocked_attention import gpu_dispatch
 from methods.bookkeeping import HOST_RANGE
 
-from ..model.integrate import attach, attention_modules, cache_argument, model_shape, returned_cache
+from ..model.integrate import attached, attention_modules, cache_argument, model_shape, returned_cache
 
 from .codec_speed import CODEC_CASES
 from .common import BASELINES, EVAL_CASES, Row, Sizes, make_method, random_model, synthetic_source, tiny_config
@@ -315,19 +315,15 @@ def plain_decode(model, prompt: torch.Tensor, nxt: torch.Tensor) -> OpCount:
 @torch.no_grad()
 def method_decode(model, method, prompt: torch.Tensor, nxt: torch.Tensor) -> OpCount:
     """An exact prefill of ``prompt`` through a session, then one-token steps of ``nxt`` (profiled)."""
-    comp = attach(model, method)
-    try:
-        with comp.session():
-            comp.forward(prompt, 0, prefill=True)
-            t = prompt.shape[1]
+    with attached(model, method) as comp, comp.session():
+        comp.forward(prompt, 0, prefill=True)
+        t = prompt.shape[1]
 
-            def go():
-                for i in range(nxt.shape[1]):
-                    comp.forward(nxt[:, i : i + 1], t + i, prefill=False)
+        def go():
+            for i in range(nxt.shape[1]):
+                comp.forward(nxt[:, i : i + 1], t + i, prefill=False)
 
-            return profile_ops(model, go)
-    finally:
-        comp.detach()
+        return profile_ops(model, go)
 
 
 @torch.no_grad()
@@ -344,13 +340,8 @@ def one_pass(model, method, ids: torch.Tensor, model_layers: int | None = None) 
     def go():
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    comp = None if method is None else attach(model, method)
-    try:
-        with gpu_dispatch():
-            cold, warm = profile_ops(model, go), profile_ops(model, go)
-    finally:
-        if comp is not None:
-            comp.detach()
+    with attached(model, method), gpu_dispatch():
+        cold, warm = profile_ops(model, go), profile_ops(model, go)
     layers = len(attention_modules(model))
     share = layers / (model_layers or layers)
     setup = max(0, cold.kernels - warm.kernels)

@@ -3,7 +3,7 @@
 Zero-shot log-likelihood requests are tens of tokens long, so the fixed cost of a method's
 per-layer ops shows there first (lm-eval's zero-shot with KV-COBRA-KL measured 1.36x FP16's time on
 this CPU). The section times ``zs_requests`` (100) **real lm-eval requests** through
-the compressed model and through FP16, one request at a time (batch 1, as METHODS.md §9.2 has it:
+the compressed model and through FP16, one request at a time (batch 1, as docs/methods.md §9.2 has it:
 batching is not the way out), interleaved request by request.
 
 The requests: lm-eval builds them from its own task definitions (the default zero-shot tasks, the
@@ -26,7 +26,7 @@ the other, differed by up to 40% on this VM). The pass-level ratios are given be
 4 bpd, TurboQuant), at most 2x for H2O. SnapKV (scored through
 ``CompressedLM.score``, prefill + compressed continuation) is not in the table.
 
-Decisions where METHODS.md is silent: the request sample (evenly spaced, above); lm-eval's
+Decisions where docs/methods.md is silent: the request sample (evenly spaced, above); lm-eval's
 per-request Python overhead (request bookkeeping, metric code) is left out of both sides, since
 it is the same for every method.
 """
