@@ -1,5 +1,5 @@
 """Parallel jobs on one empty ``$KVBENCH_CACHE`` (a SLURM array, ``hydra/launcher=joblib``): each
-cache entry is computed once and read by the others (kvbench/cache_files.py)."""
+cache entry is computed once and read by the others (kvbench/store/cache.py)."""
 
 from __future__ import annotations
 

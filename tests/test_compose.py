@@ -506,7 +506,7 @@ def test_fitted_budget_is_met_by_the_measured_figure(model_and_stats):
 
 
 # ------------------------------------------------------------------------------------------------
-# the job: the split chosen by calibration-corpus PPL (kvbench/keep_fraction.py)
+# the job: the split chosen by calibration-corpus PPL (kvbench/fit/budget_share.py)
 
 
 def test_job_chooses_the_split_on_heldout_calibration_windows(tmp_path, tiny_checkpoint, monkeypatch):

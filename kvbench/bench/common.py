@@ -218,7 +218,7 @@ class StatsSource:
 
 
 def model_stats(model, windows: torch.Tensor, plain: list | None = None, seed: int = 0) -> StatsSource:
-    """:class:`StatsSource` of :func:`kvbench.calibrate.collect_stats` over ``windows`` (the sample's
+    """:class:`StatsSource` of :func:`kvbench.fit.statistics.collect_stats` over ``windows`` (the sample's
     positions from ``seed``, as ``kvbench.run`` draws them)."""
     from ..fit.statistics import collect_stats
 
@@ -511,7 +511,7 @@ def _random_orthogonal(n: int, d: int, g: torch.Generator) -> torch.Tensor:
 def synthetic_stats(shape: ModelShape, seed: int = 0, n_tokens: int = 4096,
                     sample_tokens: int = 0) -> list[LayerStats]:
     """Calibration moments of a random model of ``shape``: per KV head a random eigenbasis with a
-    decaying spectrum for keys, values and queries (float64, like :func:`kvbench.calibrate.collect_stats`);
+    decaying spectrum for keys, values and queries (float64, like :func:`kvbench.fit.statistics.collect_stats`);
     with ``sample_tokens`` > 0 also a centered float16 key/value sample [H, n, d] of Gaussian
     vectors with those covariances (what ``collect_stats`` stores for KVQuant's fit). The moments
     do not depend on ``sample_tokens``."""

@@ -7,7 +7,7 @@ natively, else float32 (:func:`kvbench.bench.common.cpu_dtype`; the dtype is in 
 and in the e2e table); all 32 layers on a GPU, 2 on a CPU (float32: the sizes of
 ``Sizes.e2e_cpu_float32``, 1 layer at 2048 tokens for ``--quick``) unless ``--layers`` says otherwise):
 
-* **the methods**: :meth:`kvbench.compressed_lm.CompressedLM.generate` with the method attached
+* **the methods**: :meth:`kvbench.model.compressed_lm.CompressedLM.generate` with the method attached
   (exact prefill, compression, decoding from the compressed cache), exactly as LongBench runs it;
 * **the baseline**: plain transformers with ``sdpa`` attention and its own ``DynamicCache``: one
   prefill forward (``logits_to_keep=1``, as ``model.generate`` does), then one-token forwards with

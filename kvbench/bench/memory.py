@@ -2,7 +2,7 @@
 measured bpd against each method's formula (docs/methods.md §8, ``method.nominal_bpd(T)``).
 
 One exact prefill of ``mem_tokens`` tokens runs through the model with a recording layer state
-attached (:func:`kvbench.integrate.attach`, ``session()``, ``prefill=True``), keeping what every
+attached (:func:`kvbench.model.integrate.attached`, ``session()``, ``prefill=True``), keeping what every
 layer's attention receives: queries, post-RoPE keys, values, pre-RoPE keys, RoPE tables. A
 prefill attends exactly, so these are exactly the inputs each method's layer states get in a real
 compressed prefill; every method's states are then fed them layer by layer (``attend(...,

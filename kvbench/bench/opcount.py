@@ -35,7 +35,7 @@ layers / L). The counting rules (:func:`count_events`; docs/performance.md state
 * **Host syncs** (:data:`SYNC_OPS`: ``_local_scalar_dense`` from ``.item()``/``int(t)``/``bool(t)``,
   ``nonzero``, ...) are counted as ops and also reported as ``syncs``.
 * **Host ops**: the bits each query read (``LayerState.read_bits``) are float64 CPU tensors on any
-  device, computed inside a ``kvbench.host`` profiler range (:func:`methods.kivi.host_ops`). An op
+  device, computed inside a ``kvbench.host`` profiler range (:func:`methods.bookkeeping.host_ops`). An op
   in that range whose tensor inputs are all float64 (or 0-dim: Python scalars) is a host op: it
   runs on the CPU and launches nothing on a GPU. The model here is float32, so no tensor of the
   model's computation is float64; an op in the range with any other tensor input (or a tensor
@@ -49,8 +49,8 @@ layers / L). The counting rules (:func:`count_events`; docs/performance.md state
 Decisions where docs/methods.md is silent (it says nothing about performance):
 
 * Device-dependent dispatch follows the GPU: KIVI's and SVDq's long chunks take one SDPA call on a
-  GPU but the per-group loop on a CPU (``methods.kivi.CPU_SINGLE_CALL_QUERIES``); the one-pass is
-  counted inside :func:`methods.kivi.gpu_dispatch`, i.e. on the GPU's path.
+  GPU but the per-group loop on a CPU (``methods.blocked_attention.CPU_SINGLE_CALL_QUERIES``); the one-pass is
+  counted inside :func:`methods.blocked_attention.gpu_dispatch`, i.e. on the GPU's path.
 * The CPU's kernels stand in for CUDA's: a few ops decompose differently on the two (an op here
   and there, the same for every method); the hand count of FP16's layer (13 per decode step, 11
   per one-pass forward: tests/test_bench.py) is what transformers' Llama layer calls on any device.
@@ -328,7 +328,7 @@ def method_decode(model, method, prompt: torch.Tensor, nxt: torch.Tensor) -> OpC
 
 @torch.no_grad()
 def one_pass(model, method, ids: torch.Tensor, model_layers: int | None = None) -> OpCount:
-    """One teacher-forced forward, counted on the paths a GPU takes (:func:`methods.kivi.gpu_dispatch`:
+    """One teacher-forced forward, counted on the paths a GPU takes (:func:`methods.blocked_attention.gpu_dispatch`:
     a CPU would take KIVI's/SVDq's per-group loop for long chunks, fewer FLOPs but more launches).
 
     Two passes are profiled: the first (cold) and a second of the same length (warm: what every

@@ -1,6 +1,6 @@
 """§1 of ``python -m kvbench.bench``: what a method costs perplexity track A.
 
-For each method, the wall time of :func:`kvbench.ppl.window_nll` (track A: one teacher-forced
+For each method, the wall time of :func:`kvbench.model.perplexity.window_nll` (track A: one teacher-forced
 Q-all pass through the model with the method attached) on the same windows, divided by FP16's
 (the plain, unpatched model, as ``kvbench.run`` evaluates ``method=fp16``). Pairs FP16/method are
 interleaved and the median ratio of ``eval_reps`` pairs after a warm-up is the row. Targets: at

@@ -7,7 +7,7 @@ the compressed model and through FP16, one request at a time (batch 1, as docs/m
 batching is not the way out), interleaved request by request.
 
 The requests: lm-eval builds them from its own task definitions (the default zero-shot tasks, the
-offline copies of ``kvbench.evals.zeroshot``) for a capturing model whose
+offline copies of ``kvbench.tasks.zeroshot``) for a capturing model whose
 ``_loglikelihood_tokens`` records every ``(context, continuation)`` token pair instead of scoring
 it; ``zs_requests`` of them, evenly spaced over the order lm-eval hands them over in (task by
 task, document by document, choice by choice), are kept, so the sample spans every task. Capturing runs no model. Without a tokenizer (``--model

@@ -76,7 +76,7 @@ class Compose(KVMethod):
             raise ValueError(f"compose: unknown evict={self.evict!r}; valid choices: {', '.join(EVICTIONS)}")
         valid = codec_choices()
         if self.codec not in valid:
-            why = " (not supported yet: see methods/compose.py)" if self.codec in UNSUPPORTED_CODECS else ""
+            why = " (not supported yet: see methods/compose/__init__.py)" if self.codec in UNSUPPORTED_CODECS else ""
             raise ValueError(f"compose: unknown codec={self.codec!r}{why}; valid choices: {', '.join(valid)}")
         for label, x in (("keep", self.keep), ("split", self.split)):
             number = isinstance(x, (int, float)) and not isinstance(x, bool)
