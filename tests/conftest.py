@@ -81,6 +81,22 @@ def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2
     return model
 
 
+def save_tiny_checkpoint(path: Path, tokenizer, max_positions: int, **config) -> Path:
+    """A random 2-layer GQA Llama (head_dim 16, seed 0) with ``tokenizer``, saved to ``path`` like
+    any local checkpoint (``model.path=``); ``config`` adds LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=max_positions, **config,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def configured_method(model, name, options, bpd, v_bpd, stats, seed: int = 0):
     """A registered method configured for ``model``'s shape and calibrated on ``stats``."""
     from kvbench.model.integrate import model_shape

@@ -26,7 +26,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO
+from conftest import REPO, save_tiny_checkpoint
 
 RECORDS = Path(__file__).parent / "golden" / "records.json"
 RECORDING = os.environ.get("KVBENCH_GOLDEN_RECORD") == "1"
@@ -133,18 +133,7 @@ def assert_same(got, want, exact: bool, path: str = "") -> None:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, smollm2):
     """A random 2-layer GQA Llama with SmolLM2's tokenizer and a window for a longqa item."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768,
-    )
-    path = tmp_path_factory.mktemp("golden_llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("golden_llama"), smollm2.tokenizer, 32768)
 
 
 @pytest.fixture(scope="module")

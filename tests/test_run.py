@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO
+from conftest import REPO, save_tiny_checkpoint
 from kvbench.job import run_job
 
 FAST = [
@@ -26,18 +26,7 @@ FAST = [
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, smollm2):
     """A random 2-layer Llama with SmolLM2's tokenizer, saved like any local checkpoint."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512,
-    )
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), smollm2.tokenizer, 512)
 
 
 def _job(tmp_path, checkpoint, *overrides):

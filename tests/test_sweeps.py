@@ -240,21 +240,14 @@ JOBS = [(m, b, s) for m in ("h2o", "kqsvd") for b in ("7.0", "8.0") for s in ("0
 
 def tiny_checkpoint(path: Path) -> Path:
     """A random 2-layer Llama with SmolLM2's tokenizer (GQA, head_dim 16), saved to ``path``."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
+    from conftest import save_tiny_checkpoint
     from kvbench.model.loading import smollm2_checkpoint
 
     tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(path, tok, 256, tie_word_embeddings=True,
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
 
 
 def job_dir(sweep: Path, method: str, bpd: str, seed: str) -> Path:
