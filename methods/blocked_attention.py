@@ -2,7 +2,8 @@
 
 KIVI (docs/methods.md §2.3) and SVDq (§3) keep a packed prefix and a full-precision tail per side:
 query t reads key s quantized iff ``s < key_block * floor(t / key_block)`` and, with two value
-versions, value s quantized iff ``s < t - value_window``. :func:`mixed_attention` is the eager
+versions, value s quantized iff ``s < t - value_window``; GEAR (§15.5) reads the value of s by the
+key's rule (``value_window=None``). :func:`mixed_attention` is the eager
 reference (blocks of queries, any masks); :func:`blocked_attention` does the same with torch's
 fused SDPA in a fixed number of ops, falling back to one call per key group
 (:func:`grouped_attention`) for chunks whose single mask would be too large, or long CPU chunks.
@@ -118,8 +119,9 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
     """:func:`mixed_attention` for the masks KIVI and SVDq use, with torch's fused SDPA kernel.
 
     Key s is read quantized by query t iff ``s < key_block * floor(t / key_block)``; with ``v_hat``
-    given, value s iff ``s < t - value_window`` (``v_hat=None``: one version of the values, ``v_ex``,
-    after the prefix ``vp``). Arguments as in :func:`mixed_attention`; the tails start where the
+    given, value s iff ``s < t - value_window``, or by the key's rule with ``value_window=None``
+    (then ``vp`` ends where ``kp`` does; ``v_hat=None``: one version of the values, ``v_ex``, after
+    the prefix ``vp``). Arguments as in :func:`mixed_attention`; the tails start where the
     prefixes end, and the key prefix must end on a key block boundary at or below the first query's.
 
     One SDPA call (a fixed number of ops however many key groups the chunk
@@ -139,7 +141,10 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
     n = pk + k_ex.shape[2]
     if pk > key_block * ((n - tq) // key_block):
         raise ValueError("blocked_attention: the key prefix ends inside a query's key block")
-    two_values = v_hat is not None
+    paired = v_hat is not None and value_window is None  # each value read in its key's version
+    if paired and pv != pk:
+        raise ValueError("blocked_attention: values read by the key's rule need vp to end where kp does")
+    two_values = v_hat is not None and not paired
     if two_values and (value_window < key_block or pv > pk):
         return grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_window, scaling)
     width = 3 * n - pk - pv if two_values else 2 * n - pk
@@ -152,10 +157,13 @@ def blocked_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
         keys = torch.cat([hat_keys, hat_keys[:, :, pv:], k_ex.to(hat_keys.dtype)], dim=2)
         v_hat_all = v_hat if vp is None else torch.cat([vp, v_hat.to(vp.dtype)], dim=2)
         vals = torch.cat([v_hat_all, v_ex, v_ex[:, :, pk - pv :]], dim=2)
-    else:  # segments: hat keys 0..n, exact keys pk..n; values v_ex (after vp)
+    else:  # segments: hat keys 0..n, exact keys pk..n; values v_ex (after vp), or hat then exact
         keys = torch.cat([*hat_keys, k_ex.to(hat_keys[0].dtype)], dim=2)
-        v_all = v_ex if vp is None else torch.cat([vp, v_ex.to(vp.dtype)], dim=2)
-        vals = torch.cat([v_all, v_all[:, :, pk:]], dim=2)
+        if paired:
+            vals = torch.cat([v.to(v_ex.dtype) for v in (vp, v_hat, v_ex) if v is not None], dim=2)
+        else:
+            v_all = v_ex if vp is None else torch.cat([vp, v_ex.to(vp.dtype)], dim=2)
+            vals = torch.cat([v_all, v_all[:, :, pk:]], dim=2)
     mask = _union_mask(n - tq, tq, pk, pv if two_values else None, key_block, value_window, q.dtype, str(q.device))
     return _masked_sdpa(q, keys.to(q.dtype), vals.to(q.dtype), mask, scaling)
 
@@ -205,8 +213,9 @@ def grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
     sequence (written into a working copy of the hat keys and restored afterwards). A value rule
     splits at most one block of positions (t - value_window falls inside it for the group's
     queries); those positions enter twice, with hat and with exact values, under complementary
-    masks. Same softmax over the same logits as the eager path, so equal up to rounding; the work
-    is that of exact causal attention, without the [Tq, N] logits in memory."""
+    masks; values read by the key's rule (``value_window=None``) swap versions with their keys.
+    Same softmax over the same logits as the eager path, so equal up to rounding; the work is that
+    of exact causal attention, without the [Tq, N] logits in memory."""
     tq = q.shape[2]
     pk = 0 if kp is None else kp.shape[2]
     pv = 0 if vp is None else vp.shape[2]
@@ -214,7 +223,11 @@ def grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
     n0 = n - tq
     keys = k_hat.clone() if kp is None else torch.cat([kp, k_hat.to(kp.dtype)], dim=2)
     keys = keys.to(q.dtype)
-    if v_hat is None:
+    paired = v_hat is not None and value_window is None
+    if paired:  # values swap versions with their keys, group by group
+        vals = (v_hat.clone() if vp is None else torch.cat([vp, v_hat.to(vp.dtype)], dim=2)).to(q.dtype)
+        v_ex = v_ex.to(q.dtype)
+    elif v_hat is None:
         vals = v_ex if vp is None else torch.cat([vp, v_ex.to(vp.dtype)], dim=2)
         vals = vals.to(q.dtype)
     else:
@@ -230,16 +243,22 @@ def grouped_attention(q, kp, k_ex, k_hat, key_block, vp, v_ex, v_hat, value_wind
             raise ValueError("blocked_attention: the key prefix ends inside a query's key block")
         saved = keys[:, :, start:t1].clone()
         keys[:, :, start:t1] = k_ex[:, :, start - pk : t1 - pk]
+        if paired:
+            saved_v = vals[:, :, start:t1].clone()
+            vals[:, :, start:t1] = v_ex[:, :, start - pv : t1 - pv]
         qg = q[:, :, t0 - n0 : t1 - n0]
-        if v_hat is None and t0 == 0:  # from position 0: plain causal attention
+        one_version = v_hat is None or paired
+        if one_version and t0 == 0:  # from position 0: plain causal attention
             outs.append(causal_attention(qg, keys[:, :, :t1], vals[:, :, :t1], scaling))
-        elif v_hat is None:  # queries t0..t1-1 over keys 0..t1-1, as an additive mask
+        elif one_version:  # queries t0..t1-1 over keys 0..t1-1, as an additive mask
             keep = causal_mask(t1 - t0, t1, q.device)
             mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
             outs.append(folded_attention(qg, keys[:, :, :t1], vals[:, :, :t1], mask, scaling))
         else:
             outs.append(_two_value_group(qg, keys, v_hat_all, v_ex, pv, t0, t1, value_window, scaling))
         keys[:, :, start:t1] = saved
+        if paired:
+            vals[:, :, start:t1] = saved_v
         t0 = t1
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -74,10 +74,14 @@ Decisions where docs/methods.md is silent:
   b = 2, G = 64, s = 2 %, r = 2, n_b = 64), and reports its measured bpd without a target check.
   No key target: that setting, not fitted. Values stay exact (16 bits) unless ``bpd_v`` or
   ``v_bits`` is given.
-* **Omega** is drawn per (seed, layer, side, block start, block length) from its own generator
-  (all heads of the block at once), so one pass and token-by-token decoding compress every block
-  identically; ``seed`` defaults to the global torch seed at ``configure`` (the job seeds torch with
-  its seed). Only encoding needs Omega: decoding reads Q and P, so ``static_bytes`` is 0.
+* **Omega** is drawn once per (seed, layer, side, block length) from its own generator (all heads
+  at once) and shared by the blocks of that layer and side (the official code draws a new one at
+  every compression). Each block's Omega is still U[0,1), drawn independently of its data, so no
+  block's power iteration changes in distribution; sharing it lets one pass and token-by-token
+  decoding compress every block identically with one draw (a draw per block would be a generator
+  and a copy per block, ops that grow with the window). ``seed`` defaults to the global torch
+  seed at ``configure`` (the job seeds torch with its seed). Only encoding needs Omega: decoding
+  reads Q and P, so ``static_bytes`` is 0.
 * Outlier values are kept in the model's dtype (exact, as the fp16 buffer) and counted 16 bits each;
   indices are int16 (``index_bits=16``) or int32, counted at their width.
 * Codes are clamped above at ``levels`` as well (the official clamps below only; its float32 scale
@@ -85,9 +89,10 @@ Decisions where docs/methods.md is silent:
   (:mod:`methods.groupquant`), where the official divides by zero on a constant group.
 * Arithmetic in float32 (float64 for float64 inputs); the reconstruction D + S + L is cast to the
   model's dtype and kept as a working copy for attention; only the stored tensors count.
-* Attention of a chunk of queries: one fused SDPA call per n_b-block of queries (they share the
-  compressed prefix), over the compressed keys/values before the block start and the exact ones
-  from it; a single decode step reads the buffers as they are.
+* Attention of a chunk of queries: :func:`methods.blocked_attention.blocked_attention`, one fused
+  SDPA call over the chunk with a mask that gives each query the compressed keys/values before its
+  block start and the exact ones from it (a long CPU chunk: one call per n_b-block of queries);
+  a single decode step reads the buffers as they are.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ import torch
 
 from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Regime, Unsupported, held_bits, query_positions
+from .blocked_attention import blocked_attention
 from .bookkeeping import host_ops
 from .buffers import Growing, row_elements
 from .groupquant import fp16_scale_min
@@ -269,15 +275,15 @@ def _mix(*parts: int) -> int:
     return h
 
 
-def draw_omegas(seed: int, layer: int, side: str, starts, n: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-    """Omega ~ U[0,1) of shape [B, H, J, d, r] for the J blocks starting at ``starts`` (§15.4; one
-    generator per (seed, layer, side, block start, block length))."""
+def draw_omegas(seed: int, layer: int, side: str, blocks: int, n: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """Omega ~ U[0,1) [B, H, d, r] (``shape``) for ``blocks`` blocks of ``n`` tokens, as the view
+    [B, H, blocks, d, r] (§15.4): one draw per (seed, layer, side, block length) from its own
+    generator, shared by every block of that layer and side, so that any set of blocks (a whole
+    pass, or one block at a time while decoding) is compressed identically, with one draw."""
     side_id = 0 if side == "k" else 1
-    draws = []
-    for s in starts:
-        g = torch.Generator().manual_seed(_mix(seed, layer, side_id, s, n))
-        draws.append(torch.rand(shape, generator=g, dtype=torch.float64))
-    return torch.stack(draws, dim=2).to(device=like.device, dtype=like.dtype)
+    g = torch.Generator().manual_seed(_mix(seed, layer, side_id, n))
+    omega = torch.rand(shape, generator=g, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
+    return omega[:, :, None].expand(shape[0], shape[1], blocks, *shape[2:])
 
 
 @dataclass
@@ -553,8 +559,8 @@ class _Side:
             return
         codec = self.codec if rank is None else dataclasses.replace(self.codec, rank=rank)
         x = self.buf.data[:, :, self.n_comp:upto]
-        starts = list(range(self.n_comp, upto, n))
-        omega = omega_fn(starts, n, (x.shape[0], x.shape[1], x.shape[3], codec.rank)) if codec.rank else None
+        starts = range(self.n_comp, upto, n)
+        omega = omega_fn(len(starts), n, (x.shape[0], x.shape[1], x.shape[3], codec.rank)) if codec.rank else None
         packed, hat = encode_blocks(x, codec, n, omega)
         self.packed.append(packed)
         per_block = packed.bits() // len(starts)
@@ -596,7 +602,7 @@ class GearLayerState(LayerState):
     def _omega_fn(self, side: str, like: torch.Tensor):
         dt = work_dtype(like)
         probe = torch.empty(0, dtype=dt, device=like.device)
-        return lambda starts, n, shape: draw_omegas(self.seed, self.layer, side, starts, n, shape, probe)
+        return lambda blocks, n, shape: draw_omegas(self.seed, self.layer, side, blocks, n, shape, probe)
 
     def _compress(self, upto: int, like: torch.Tensor, n: int | None = None, rank: int | None = None) -> None:
         n = n or self.block
@@ -630,19 +636,16 @@ class GearLayerState(LayerState):
         return self._chunk_attention(q, k_ex, v_ex, c0, n0, n, scaling)
 
     def _chunk_attention(self, q, k_ex, v_ex, c0, n0, n, scaling):
-        """Queries n0..n-1, one SDPA call per n_b-block of queries: those at j n_b.. read the
-        compressed reconstruction below B = j n_b and the exact tokens from B on (§15.5)."""
-        nb, outs = self.block, []
+        """Queries n0..n-1: those of the n_b-block at B = j n_b read the compressed reconstruction
+        below B and the exact tokens from B on (§15.5), K and V alike; positions below ``c0`` were
+        compressed before the chunk. :func:`methods.blocked_attention.blocked_attention` (one
+        masked SDPA call, or one call per n_b-block of queries for long CPU chunks)."""
         k_all, v_all = self.k.buf.data, self.v.buf.data
-        for j in range(n0 // nb, (n - 1) // nb + 1):
-            lo, hi, start = max(n0, j * nb), min(n, (j + 1) * nb), j * nb
-            keys = torch.cat([k_all[:, :, :start], k_ex[:, :, start - c0:hi - c0]], dim=2)
-            if self.value_codec is None:
-                vals = v_all[:, :, :hi]
-            else:
-                vals = torch.cat([v_all[:, :, :start], v_ex[:, :, start - c0:hi - c0]], dim=2)
-            outs.append(causal_attention(q[:, :, lo - n0:hi - n0], keys, vals, scaling))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        kp, k_hat = k_all[:, :, :c0], k_all[:, :, c0:n]
+        vp = v_all[:, :, :c0]
+        if self.value_codec is None:  # one version of the values: exact
+            return blocked_attention(q, kp, k_ex, k_hat, self.block, vp, v_all[:, :, c0:n], None, None, scaling)
+        return blocked_attention(q, kp, k_ex, k_hat, self.block, vp, v_ex, v_all[:, :, c0:n], None, scaling)
 
     def store_prompt(self, k, v) -> None:
         """Store a P-token prompt as GEAR does at the end of an exact prefill: its first

@@ -232,7 +232,7 @@ def test_whole_block_equals_official_gearslkivi(side):
     factors rounded to fp16 as stored."""
     x = _x((1, 3, 64, 16), seed=21)
     codec = SideCodec(side, 4, 16, 0.05, 3, levels_rule="official", kcount="official")
-    omega = draw_omegas(5, 2, side, [0], 64, (1, 3, 16, 3), x)
+    omega = draw_omegas(5, 2, side, 1, 64, (1, 3, 16, 3), x)
     _, hat = encode_blocks(x, codec, 64, omega)
     ref = official_gearslkivi_new(x, 4, 16, 0.05, omega[:, :, 0], 3, side)
     assert torch.allclose(hat, ref, rtol=0, atol=1e-12)
@@ -244,7 +244,7 @@ def test_each_component_reduces_the_error():
     errs = []
     for s, r in ((0.0, 0), (0.05, 0), (0.05, 4)):
         codec = SideCodec("k", 2, 32, s, r)
-        omega = draw_omegas(0, 0, "k", [0], 128, (1, 3, 16, r), x) if r else None
+        omega = draw_omegas(0, 0, "k", 1, 128, (1, 3, 16, r), x) if r else None
         errs.append(float(torch.linalg.norm(x - encode_blocks(x, codec, 128, omega)[1])))
     assert errs[2] < errs[1] < errs[0]
 
@@ -262,7 +262,7 @@ def test_stored_bits_equal_section_15_7_and_decode_from_them(side, bits, group, 
     n, j, h, d = 64, 3, 4, 16
     x = _x((1, h, j * n, d), seed=7)
     codec = SideCodec(side, bits, group, sparsity, rank, levels_rule=levels, index_bits=index_bits)
-    omega = draw_omegas(0, 1, side, [0, n, 2 * n], n, (1, h, d, rank), x) if rank else None
+    omega = draw_omegas(0, 1, side, j, n, (1, h, d, rank), x) if rank else None
     packed, hat = encode_blocks(x, codec, n, omega)
     cb = bits if levels == "harness" or sparsity == 0 else math.ceil(math.log2(bits**2))
     k = math.floor(sparsity * (n if side == "k" else h * d) / 2 + 1e-9)
@@ -308,7 +308,7 @@ def _run(method, q, k, v, chunks, prefill_first=False, layer=0):
 
 
 def reference(method, q, k, v, prefill_len=0, layer=0):
-    """Naive §15.5: every complete n_b-block compressed on its own (its own Omega); query t reads
+    """Naive §15.5: every complete n_b-block compressed on its own (with the layer's Omega); query t reads
     K and V of s from the compressed block iff s < n_b floor(t / n_b), else exact; queries of an
     exact prefill read everything exact. Loops over positions and heads, float64 softmax."""
     kn = method.knobs()
@@ -319,9 +319,9 @@ def reference(method, q, k, v, prefill_len=0, layer=0):
     seed = kn["seed"]
     for j in range(n // nb):
         sl = slice(j * nb, (j + 1) * nb)
-        k_hat[:, :, sl] = encode_blocks(k[:, :, sl], kc, nb, draw_omegas(seed, layer, "k", [j * nb], nb,
+        k_hat[:, :, sl] = encode_blocks(k[:, :, sl], kc, nb, draw_omegas(seed, layer, "k", 1, nb,
                                                                           (B, HKV, D, kc.rank), k))[1]
-        v_hat[:, :, sl] = encode_blocks(v[:, :, sl], vc, nb, draw_omegas(seed, layer, "v", [j * nb], nb,
+        v_hat[:, :, sl] = encode_blocks(v[:, :, sl], vc, nb, draw_omegas(seed, layer, "v", 1, nb,
                                                                           (B, HKV, D, vc.rank), v))[1]
     g = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)

@@ -489,6 +489,31 @@ def test_blocked_attention_is_one_sdpa_call_equal_to_the_eager_mix(n0, tq, kb, w
     assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 1
 
 
+@pytest.mark.parametrize("n0,tq,kb", [(0, 200, 32), (64, 90, 32), (70, 90, 32), (0, 600, 64)])
+def test_blocked_attention_with_values_by_the_key_rule_is_the_eager_mix(n0, tq, kb):
+    """GEAR's chunk attention (``value_window=None``): value s read in its key's version (s below
+    the query's block start: compressed), equal in float64 to the eager mix with the key mask as
+    the value mask, as one SDPA call (``gpu_dispatch``) and as the per-group loop."""
+    from methods.blocked_attention import blocked_attention, gpu_dispatch, grouped_attention, mixed_attention
+
+    g = torch.Generator().manual_seed(n0 + tq)
+    n, pk = n0 + tq, kb * (n0 // kb)
+    q = torch.randn(1, 4, tq, 8, generator=g, dtype=torch.float64)
+    kp, vp = (torch.randn(1, 2, pk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k_hat, k_ex, v_hat, v_ex = (torch.randn(1, 2, n - pk, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    t = torch.arange(n0, n)[:, None]
+    mask = torch.arange(pk, n)[None, :] < kb * torch.div(t, kb, rounding_mode="floor")
+    ref = mixed_attention(q, kp, k_ex, k_hat, mask, vp, v_ex, v_hat, mask, 0.3)
+    args = (q, kp, k_ex, k_hat, kb, vp, v_ex, v_hat, None, 0.3)
+    with gpu_dispatch():
+        one = blocked_attention(*args)
+        names = [e.name for e in profiled(lambda: blocked_attention(*args))]
+    assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 1
+    assert (one - ref).abs().max() < 1e-12
+    assert (grouped_attention(*args) - ref).abs().max() < 1e-12
+    assert (blocked_attention(*args) - ref).abs().max() < 1e-12
+
+
 def test_blocked_attention_ops_do_not_grow_with_the_key_groups():
     from kvbench.bench import opcount
     from methods.blocked_attention import blocked_attention

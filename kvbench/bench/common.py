@@ -174,9 +174,12 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
     (b + 32/G <= bpd, R = 128): the bench times and checks the codec at a fixed point, and its
     measured-budget fit would refuse bpd 2 in the default Q-all regime. ``stats``: a list of
     :class:`LayerStats`, or a :class:`StatsSource` that gives each method the key/value sample it
-    asks for (``calibration_sample_tokens()``: KVQuant fits on it) and the others the plain moments."""
+    asks for (``calibration_sample_tokens()``: KVQuant fits on it) and the others the plain moments.
+    ``seed``: the calibration's, and GEAR's Omega (unless its options set one)."""
     if name == "kivi":
         options = {"budget": "nominal", **options}
+    if name == "gear":  # its Omega's seed (else the torch seed at configure: whatever ran before)
+        options = {"seed": seed, **options}
     method = build_method(name, **options)
     method.configure(shape, bpd, v_bpd)
     if method.needs_calibration:
