@@ -68,7 +68,8 @@ Decisions where docs/methods.md is silent:
   within **2 %** of the target (each side at its own), the most backbone bits, then the smallest
   groups (finer groups, KIVI's rule), then the largest rank, then the most outliers, then the
   closest; keys decide first, values second. None in the band -> :class:`Unsupported` naming the
-  reachable range and the nearest points.
+  reachable range and the nearest points. ``joint_kv=True`` (the KV-track rows): the pair whose
+  *mean* is within 2 % of bpd_KV, the most balanced first (:mod:`methods.joint_budget`).
 * Explicit knobs override the fit: with any of ``bits, group, sparsity, rank, block`` (or their
   ``v_`` forms) given, the job runs them, the others at the run templates' GEAR setting (§15.6:
   b = 2, G = 64, s = 2 %, r = 2, n_b = 64), and reports its measured bpd without a target check.
@@ -110,6 +111,7 @@ from .blocked_attention import blocked_attention
 from .bookkeeping import host_ops
 from .buffers import Growing, row_elements
 from .groupquant import fp16_scale_min
+from .joint_budget import best_pair
 from .kivi import scored_reads
 from .packing import pack_bits, unpack_bits
 
@@ -481,6 +483,26 @@ def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regim
             "predicted_bpd_v": None if v is None else v[0]}
 
 
+def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, budget: str = "measured",
+              prompt_rank: int | None = None) -> dict:
+    """``joint_kv``: the (key point, value point) pair at one n_b whose mean predicted bpd is within
+    :data:`AT_TARGET` of ``target_kv``, the most balanced first (:func:`methods.joint_budget.best_pair`),
+    then the per-side preference (keys first); :class:`Unsupported` when none is."""
+    pairs = []
+    for nb in block_grid():
+        keys = _side_points("k", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
+        vals = _side_points("v", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
+        lo, hi = 2 * target_kv * (1 - AT_TARGET) - _EPS, 2 * target_kv * (1 + AT_TARGET) + _EPS
+        pairs += [((k, nb), (v, nb)) for k in keys for v in vals if lo <= k[0] + v[0] <= hi]
+    best = best_pair(pairs, lambda p: p[0][0], target_kv, AT_TARGET, lambda kp, vp: (kp[0][1], vp[0][1]))
+    if best is None:
+        raise Unsupported(f"gear: joint_kv: no pair of key and value points at one n_b has a mean within "
+                          f"{AT_TARGET:.0%} of bpd_KV={target_kv:g} in {describe(regime)}; "
+                          + unreachable(target_kv, target_kv, heads, d, regime, opts, budget, prompt_rank))
+    (k, nb), (v, _) = best
+    return {"block": nb, "k": k[2], "v": v[2], "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
+
+
 def describe(regime: Regime) -> str:
     if regime.kind == "qall":
         return f"Q-all over {regime.tokens} positions"
@@ -700,7 +722,8 @@ class Gear(KVMethod):
     levels: "harness" (2^b - 1) | "official" (b^2 - 1 on the sparse path); kcount: "harness" |
     "official" (the outlier count of §15.3); index_bits: 16 | 32; loop: power-iteration rounds;
     prompt: "chunked" | "one_block" (the prefill's blocks, §15.5/§15.8) with prompt_rank (r_p);
-    budget: "measured" | "nominal"; seed: Omega's seed (None = the torch seed at ``configure``)."""
+    budget: "measured" | "nominal"; seed: Omega's seed (None = the torch seed at ``configure``);
+    joint_kv: with both targets, fit their mean instead of each side (:func:`fit_joint`)."""
 
     name = "gear"
     seeded = True
@@ -722,6 +745,7 @@ class Gear(KVMethod):
     prompt_rank: int | None = None
     budget: str = "measured"
     seed: int | None = None
+    joint_kv: bool = False
 
     def __post_init__(self):
         for name, value, choices in (("levels", self.levels, LEVELS), ("kcount", self.kcount, KCOUNTS),
@@ -759,12 +783,19 @@ class Gear(KVMethod):
         explicit = self._explicit()
         self._fit = self._not_fitted = None
         prompt_rank = self._prompt_rank() if self.prompt == "one_block" else None
-        if bpd_k is not None and not explicit:
+        joint = self.joint_kv and bpd_k is not None and bpd_v is not None
+        if joint and not explicit:
+            fit = fit_joint((float(bpd_k) + float(bpd_v)) / 2, h, d, self.regime, self._opts(), self.budget,
+                            prompt_rank)
+        elif bpd_k is not None and not explicit:
             fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), h, d, self.regime,
                             self._opts(), self.budget, prompt_rank)
+        if bpd_k is not None and not explicit:
             block, kk, vk = fit["block"], fit["k"], fit["v"]
             self._fit = {"regime": dataclasses.asdict(self.regime), "band": AT_TARGET, "budget": self.budget,
                          "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
+            if joint:
+                self._fit["joint_kv"] = (float(bpd_k) + float(bpd_v)) / 2
         else:
             block = self.block or PAPER["block"]
             kk = self._given("")

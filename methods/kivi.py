@@ -30,7 +30,9 @@ Decisions where docs/methods.md is silent:
   G in {32, 64, 128} (values: G <= d, G divides d); R a multiple of the key group from 32 to 128
   (the paper's LongBench R; its GSM8K example uses 32). R = 0 is not a KIVI setting: the official
   code takes P mod R, and per-channel key groups wait in full precision until they complete, which
-  R = G already is. One R for keys and values, as in KIVI's code. The predicted figure is the
+  R = G already is. One R for keys and values, as in KIVI's code. ``joint_kv=True`` (the KV-track
+  rows): the pair whose *mean* is within the band of bpd_KV instead, the most balanced first
+  (:mod:`methods.joint_budget`). The predicted figure is the
   exact bit count (:func:`headline_bpd`, the §2.3 storage rule with codes + fp16 scale and minimum
   per group + 16 bits per full-precision element, what ``stored_bits`` measures). Among the grid
   points within **2 % of the target on either side** (the tables' "at target" band; each side at
@@ -75,6 +77,7 @@ from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attent
 from .bookkeeping import host_ops, one_read
 from .buffers import Growing, SideStore, row_elements
 from .groupquant import quantize_dequantize_groups
+from .joint_budget import best_pair
 
 BITS_GRID = (1, 2, 3, 4, 8)
 GROUP_GRID = (32, 64, 128)
@@ -319,12 +322,35 @@ def in_band(x: float, target: float) -> bool:
     return abs(x - target) <= AT_TARGET * target + _EPS
 
 
+def _prefer(k, v, r) -> tuple:
+    """The fit's preference among admissible points: the most key bits, then the most value bits,
+    then the largest R, then the smallest groups."""
+    return (k[1], 0 if v is None else v[1], r, -k[2], 0 if v is None else -v[2])
+
+
+def fit_joint(target_k: float, target_v: float, head_dim: int, regime: Regime) -> dict:
+    """``joint_kv``: the (key point, value point) pair at one shared R whose mean measured bpd is
+    within :data:`AT_TARGET` of (target_k + target_v) / 2, the most balanced first
+    (:func:`methods.joint_budget.best_pair`), then :func:`_prefer`."""
+    pairs = [((k, r), (v, r)) for r in residual_grid()
+             for k in side_points("k", regime, head_dim, r) for v in side_points("v", regime, head_dim, r)]
+    best = best_pair(pairs, lambda p: p[0][0], (target_k + target_v) / 2, AT_TARGET,
+                     lambda kp, vp: _prefer(kp[0], vp[0], kp[1]))
+    if best is None:
+        pts = [x[0] for r in residual_grid() for side in ("k", "v") for x in side_points(side, regime, head_dim, r)]
+        raise Unsupported(f"kivi: joint_kv: no pair of key and value points at one R has a mean within "
+                          f"{AT_TARGET:.0%} of bpd_KV={(target_k + target_v) / 2:g} in {describe(regime)} "
+                          f"(each side reaches [{min(pts):.2f}, {max(pts):.2f}])")
+    (k, r), (v, _) = best
+    return {"bits": k[1], "group": k[2], "residual": r, "v_bits": v[1], "v_group": v[2],
+            "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
+
+
 def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> dict:
     """budget='measured': the grid point whose measured bpd (:func:`headline_bpd`) lies within
     :data:`AT_TARGET` of the key target and, with a value target, of the value target too, one
-    R shared by both sides as in KIVI. Preference among those: the most key bits, then the most
-    value bits, then the largest R, then the smallest groups, then the closest to the targets.
-    :class:`Unsupported` with the reachable ranges when no point is in the band."""
+    R shared by both sides as in KIVI. Preference among those: :func:`_prefer`, then the closest to
+    the targets. :class:`Unsupported` with the reachable ranges when no point is in the band."""
     best = None
     for r in residual_grid():
         keys = [x for x in side_points("k", regime, head_dim, r) if in_band(x[0], target_k)]
@@ -333,7 +359,7 @@ def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Re
         for k in keys:
             for v in vals:
                 miss = abs(k[0] - target_k) / target_k + (0.0 if v is None else abs(v[0] - target_v) / target_v)
-                pref = (k[1], 0 if v is None else v[1], r, -k[2], 0 if v is None else -v[2], -miss)
+                pref = (*_prefer(k, v, r), -miss)
                 if best is None or pref > best[0]:
                     best = (pref, k, v, r)
     if best is None:
@@ -384,6 +410,7 @@ class Kivi(KVMethod):
     residual: R, the full-precision window (a multiple of the key group). None = chosen by
     ``configure``; values exact when neither ``bpd_v`` nor ``v_bits`` is given. budget: "measured"
     (the job's measured bpd is the target) or "nominal" (b + 32/G <= target, R = 128 unless given).
+    joint_kv: with both targets, fit their mean instead of each side (:func:`fit_joint`).
     ``configure`` leaves these options untouched and records its choice in ``knobs()``."""
 
     name = "kivi"
@@ -394,6 +421,7 @@ class Kivi(KVMethod):
     v_group: int | None = None
     residual: int | None = None
     budget: str = "measured"
+    joint_kv: bool = False
 
     def __post_init__(self):
         if self.budget not in BUDGETS:
@@ -410,10 +438,15 @@ class Kivi(KVMethod):
         self._fit = None
         explicit = self._explicit()
         if self.budget == "measured" and bpd_k is not None and not explicit:
-            fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), d, self.regime)
+            if self.joint_kv and bpd_v is not None:
+                fit = fit_joint(float(bpd_k), float(bpd_v), d, self.regime)
+            else:
+                fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), d, self.regime)
             self._resolved = tuple(fit[k] for k in ("bits", "group", "residual", "v_bits", "v_group"))
             self._fit = {"regime": dataclasses.asdict(self.regime), "band": AT_TARGET,
                          "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
+            if self.joint_kv and bpd_v is not None:
+                self._fit["joint_kv"] = (float(bpd_k) + float(bpd_v)) / 2
             self._not_fitted = None
         else:
             self._resolved = self._nominal_knobs(d, bpd_k, bpd_v)

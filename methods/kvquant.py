@@ -84,7 +84,12 @@ Decisions where docs/methods.md is silent:
   (predicted f_K = f; f_V from the exact per-token count of §14.3). ``sink=None`` (default): one
   sink token (§14.3's default) unless it puts a side out of the band, then none (the knobs say
   which, and why). Nothing in the band -> :class:`Unsupported` with the reachable points. An
-  explicit ``bits``/``v_bits`` runs as set, without the target check.
+  explicit ``bits``/``v_bits`` runs as set, without the target check. ``joint_kv=True`` (the
+  KV-track rows): the two sides' mean within 2 % of bpd_KV, the most balanced pair first
+  (:mod:`methods.joint_budget`). At f = 0 values cost 32/n more per element than keys: on
+  Llama-3.1-8B (n = 1024) bpd_KV 1 becomes reachable (nuq1 + nuq1, 1.016) where v_bpd = 1 alone is
+  not; on SmolLM2 (n = 192) every pair's mean is an integer + 0.083 (+ the sink share), so no
+  integer bpd_KV is within 2 % either way.
 * **Stored values**: outliers in fp16 (bf16 on a bf16 model: 16 bits either way; exact for the
   fp16 activations of the official simulator), indices int16 (n <= 32767), pointers int32; a value
   token stores its fp16 maximum and minimum (after the median replacement), 32 bits carrying the
@@ -109,6 +114,7 @@ from .attention import work_dtype
 from .base import KVMethod, ModelShape, Regime, Unsupported
 from .bookkeeping import host_ops
 from .codec_state import Codec, CodecLayerState, ExactCodec, codecs_static_bytes
+from .joint_budget import best_pair
 from .latent_codec import SAMPLE_TOKENS
 from .packing import pack_bits, unpack_bits
 
@@ -573,7 +579,8 @@ class KVQuant(KVMethod):
     Options: ``bits``/``v_bits`` (b in 1..5; None = fitted to ``bpd``/``v_bpd``), ``outliers``
     (f, the "-1 %" of nuq4-1 %; 0 = none), ``sink`` (exact first tokens; None = 1, or 0 where 1
     leaves the 2 % band), ``fisher_scale`` ("code" | "paper"), ``budget`` ("measured" | "nominal"),
-    ``calib_tokens`` (calibration keys/values sampled per head)."""
+    ``calib_tokens`` (calibration keys/values sampled per head), ``joint_kv`` (with both targets:
+    the mean of the two sides within the band, :mod:`methods.joint_budget`, instead of each side)."""
 
     name: ClassVar[str] = "kvquant"
     needs_calibration: ClassVar[bool] = True
@@ -585,6 +592,7 @@ class KVQuant(KVMethod):
     fisher_scale: str = "code"
     budget: str = "measured"
     calib_tokens: int = SAMPLE_TOKENS
+    joint_kv: bool = False
 
     def __post_init__(self):
         for knob in ("bits", "v_bits"):
@@ -634,6 +642,14 @@ class KVQuant(KVMethod):
         _, b, x = min(inside)
         return b, x
 
+    def _fit_joint(self, target_kv: float, n: int, sink: int):
+        """``joint_kv``: {side: (b, predicted)} for the most balanced pair of key and value points
+        whose mean is within the band of ``target_kv`` (:func:`methods.joint_budget.best_pair`;
+        then the most key bits), or None."""
+        pairs = [(k, v) for k in self._points("k", n, sink) for v in self._points("v", n, sink)]
+        best = best_pair(pairs, lambda p: p[0], target_kv, AT_TARGET, lambda k, v: (k[1], v[1]))
+        return None if best is None else {"k": best[0][::-1], "v": best[1][::-1]}
+
     def configure(self, shape, bpd_k, bpd_v):
         self._shape = shape
         n = shape.n_kv_heads * shape.head_dim
@@ -641,11 +657,22 @@ class KVQuant(KVMethod):
             raise ValueError(f"kvquant: int16 outlier indices need H_kv d <= 32767, got {n}")
         sides = self._sides(bpd_k, bpd_v)
         sinks = [int(self.sink)] if self.sink is not None else [1, 0]
+        joint = (self.joint_kv and set(sides) == {"k", "v"} and self.bits is None and self.v_bits is None
+                 and None not in (sides["k"][0], sides["v"][0]))
+        target_kv = (sides["k"][0] + sides["v"][0]) / 2 if joint else None
         for sink in sinks:
-            fit = {s: self._fit_side(s, target, bits, n, sink) for s, (target, bits) in sides.items()}
+            if joint:
+                fit = self._fit_joint(target_kv, n, sink) or {"k": None}
+            else:
+                fit = {s: self._fit_side(s, target, bits, n, sink) for s, (target, bits) in sides.items()}
             if all(v is not None for v in fit.values()):
                 break
         else:
+            if joint:
+                pts = [x for s in sinks for side in ("k", "v") for x, _ in self._points(side, n, s)]
+                raise Unsupported(f"kvquant: joint_kv: no pair of key and value points has a mean within "
+                                  f"{AT_TARGET:.0%} of bpd_KV={target_kv:g} in {describe(self.regime)} "
+                                  f"(each side reaches [{min(pts):.2f}, {max(pts):.2f}] at b in {BITS})")
             raise Unsupported(self._unreachable(sides, n, sinks))
         self._plan = {
             "n": n, "sink": sink if sides else 0, "t": outlier_level(float(self.outliers)),
@@ -654,6 +681,8 @@ class KVQuant(KVMethod):
             "predicted_bpd_v": fit["v"][1] if "v" in fit else 16.0,
             "target_bpd_k": bpd_k, "target_bpd_v": bpd_v,
         }
+        if joint:
+            self._plan["joint_kv"] = target_kv
         if self.sink is None and sides and sink == 0:
             self._plan["sink_dropped"] = (
                 f"one sink token puts the measured headline in {describe(self.regime)} outside "

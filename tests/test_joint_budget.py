@@ -1,0 +1,87 @@
+"""``joint_kv``: one K+V budget for the integer codecs (methods/joint_budget.py): the mean of the
+two sides' measured bpd within 2 % of bpd_KV, the most balanced pair first."""
+
+import pytest
+
+from methods import Unsupported
+from methods.base import ModelShape, Regime
+from methods.gear import Gear
+from methods.joint_budget import best_pair
+from methods.kivi import Kivi, side_points
+from methods.kvquant import KVQuant
+
+SMOL = ModelShape(30, 9, 3, 64)
+LLAMA = ModelShape(32, 32, 8, 128)
+QALL = Regime("qall", 2048)
+TRACK_B = Regime("prefill", 1536, 511)
+
+
+def test_best_pair_takes_the_most_balanced_admissible_pair_then_the_preference():
+    keys, vals = [1.0, 1.98, 3.0], [1.0, 2.02, 3.0]
+    pairs = [(k, v) for k in keys for v in vals]
+    assert best_pair(pairs, float, 2.0, 0.02, lambda k, v: (k,)) == (1.98, 2.02)
+    tied = [(k, v) for k in (1.0, 3.0) for v in (1.0, 3.0)]
+    assert best_pair(tied, float, 2.0, 0.0, lambda k, v: (k,)) == (3.0, 1.0)  # |k - v| ties: more key bits
+    assert best_pair(pairs, float, 0.5, 0.02, lambda k, v: (k,)) is None
+
+
+def test_best_pair_band_is_on_the_mean():
+    assert best_pair([(1.95, 2.0)], float, 2.0, 0.02, lambda k, v: ()) == (1.95, 2.0)
+    assert best_pair([(1.9, 2.1)], float, 2.0, 0.0, lambda k, v: ()) == (1.9, 2.1)
+    assert best_pair([(2.0, 2.2)], float, 2.0, 0.02, lambda k, v: ()) is None
+
+
+def _configured(cls, shape, regime, bpd, **opts):
+    m = cls(**opts)
+    m.set_regime(regime)
+    m.configure(shape, bpd, bpd)
+    return m
+
+
+@pytest.mark.parametrize("shape,regime,bpd", [(SMOL, QALL, 4.0), (LLAMA, QALL, 3.0), (LLAMA, TRACK_B, 2.0)])
+def test_kivi_joint_meets_the_mean_where_the_sides_alone_cannot(shape, regime, bpd):
+    """One R for both sides: no point within 2 % of bpd on each side, a pair whose mean is; the
+    measured reads of the configured state give that mean."""
+    from test_kivi import _measure
+
+    with pytest.raises(Unsupported):
+        _configured(Kivi, shape, regime, bpd)
+    m = _configured(Kivi, shape, regime, bpd, joint_kv=True)
+    kn = m.knobs()
+    assert kn["fit"]["joint_kv"] == bpd
+    pk, pv = kn["fit"]["predicted_bpd_k"], kn["fit"]["predicted_bpd_v"]
+    assert abs((pk + pv) / 2 - bpd) <= 0.02 * bpd
+    mk, mv = _measure(m, regime, d=shape.head_dim)
+    assert (mk, mv) == (pytest.approx(pk, abs=1e-9), pytest.approx(pv, abs=1e-9))
+    # the most balanced admissible pair at any shared R
+    best = min(abs(k[0] - v[0]) for r in range(32, 129, 32)
+               for k in side_points("k", regime, shape.head_dim, r) for v in side_points("v", regime, shape.head_dim, r)
+               if abs((k[0] + v[0]) / 2 - bpd) <= 0.02 * bpd + 1e-9)
+    assert abs(pk - pv) == pytest.approx(best, abs=1e-9)
+
+
+def test_kivi_joint_keeps_the_side_by_side_choice_where_it_exists():
+    a = _configured(Kivi, SMOL, TRACK_B, 4.0).knobs()
+    b = _configured(Kivi, SMOL, TRACK_B, 4.0, joint_kv=True).knobs()
+    assert [a[k] for k in ("bits", "group", "residual", "v_bits", "v_group")] == \
+        [b[k] for k in ("bits", "group", "residual", "v_bits", "v_group")]
+
+
+def test_kvquant_joint_reaches_bpd_kv_1_on_llama_and_no_integer_budget_on_smollm2():
+    with pytest.raises(Unsupported):
+        _configured(KVQuant, LLAMA, QALL, 1.0)
+    kn = _configured(KVQuant, LLAMA, QALL, 1.0, joint_kv=True).knobs()
+    assert (kn["k_bits"], kn["v_bits"], kn["joint_kv"]) == (1, 1, 1.0)
+    assert abs((kn["predicted_bpd_k"] + kn["predicted_bpd_v"]) / 2 - 1.0) <= 0.02
+    for bpd in (1.0, 2.0, 3.0, 4.0):  # values cost b + 32/192: every mean is b-bar + 0.083
+        with pytest.raises(Unsupported, match="joint_kv"):
+            _configured(KVQuant, SMOL, QALL, bpd, joint_kv=True)
+
+
+def test_gear_joint_matches_the_side_by_side_fit_where_it_exists_and_names_the_floor():
+    a = _configured(Gear, SMOL, QALL, 4.0, seed=0).knobs()
+    b = _configured(Gear, SMOL, QALL, 4.0, seed=0, joint_kv=True).knobs()
+    assert (a["block"], a["k"], a["v"]) == (b["block"], b["k"], b["v"])
+    assert b["fit"]["joint_kv"] == 4.0
+    with pytest.raises(Unsupported, match="joint_kv"):
+        _configured(Gear, SMOL, TRACK_B, 2.0, seed=0, joint_kv=True)
