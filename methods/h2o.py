@@ -37,9 +37,13 @@ class H2O(KVMethod):
     :class:`Unsupported`). ``budget="measured"`` (default): a Q-all state (PPL track A,
     zero-shot) uses a ρ fitted so that the measured figure of docs/methods.md §0 — the mean over
     query positions of what each query read, the min_budget floor and the query itself included
-    (:func:`qall_mean_bpd`) — is the target at the job's regime length (``knobs.rho_qall``); a
-    state that starts with an exact prefill keeps ρ = target / (16 + 16/d), since there the end of
-    prefill is the figure. ``budget="nominal"``: always ρ = target / (16 + 16/d)
+    (:func:`qall_mean_bpd`) — is the target at the job's regime length (``knobs.rho_qall``). In a
+    prefill regime (PPL track B, LongBench, RULER: P prompt tokens, then D decoded) the kept count
+    C = ρP stays fixed while the held positions grow, so the scored positions read
+    [C/P + Σ_j (C+1)/(P+j)] / (1 + D) of the cache (:func:`prefill_mean_bpd`; the prompt's own
+    prediction at the end-of-prefill figure); the fit takes the C whose figure is closest to the
+    target (``knobs.predicted_prefill_bpd``), so the end of prefill sits above it (1.15 at 1 bpd,
+    P = 1536, D = 511). ``budget="nominal"``: always ρ = target / (16 + 16/d)
     (the formula of §6.4; in Q-all the cache then holds more than the label: 1.23 at 1.0, T=2048),
     split half/half
     (16 + 16/d = 16.125 at d = 128: an fp32 score per kept token per KV head shared by K and V);
@@ -122,13 +126,17 @@ class H2O(KVMethod):
                 f"so targets lie in (0, {per:g}]"
             )
         rho = target / per
-        self._predicted, self._qall_scale = None, 1.0
-        # Q-all states only; the end of a prefill is at ρ already, so in the prefill-exact regime
-        # (PPL track B, LongBench) the Q-all floor of min_budget tokens does not apply
+        self._predicted, self._qall_scale, self._predicted_prefill = None, 1.0, None
         if self.budget == "measured" and self.regime.kind == "qall":
             self._qall_scale = self._fit_qall(target, per) / rho
+        kept = None
+        if self.budget == "measured" and self.regime.kind == "prefill":
+            kept = self._fit_prefill(target, per)
+            rho = kept / self.regime.tokens
         h, r = self.heavy_ratio, self.recent_ratio
-        if h is None and r is None:
+        if h is None and r is None and kept is not None:  # halves that round back to C exactly
+            h, r = (kept - kept // 2) / self.regime.tokens, (kept // 2) / self.regime.tokens
+        elif h is None and r is None:
             h = r = rho / 2
         elif h is None:
             h = rho - r
@@ -161,6 +169,24 @@ class H2O(KVMethod):
         self._predicted = qall_mean_bpd(lo, self.min_budget, t, per)
         return lo
 
+    def _fit_prefill(self, target: float, per: float) -> int:
+        """The kept count C (min_budget <= C <= P) whose :func:`prefill_mean_bpd` in the job's
+        prefill regime is closest to the target (the figure is affine in C); :class:`Unsupported`
+        when even that is more than 2 % away."""
+        p, d = self.regime.tokens, self.regime.decode
+        unit = prefill_mean_bpd(1, p, d, per) - prefill_mean_bpd(0, p, d, per)
+        exact = (target - prefill_mean_bpd(0, p, d, per)) / unit
+        cands = {min(p, max(int(self.min_budget), c)) for c in (math.floor(exact), math.ceil(exact))}
+        c = min(sorted(cands), key=lambda n: abs(prefill_mean_bpd(n, p, d, per) - target))
+        self._predicted_prefill = prefill_mean_bpd(c, p, d, per)
+        if abs(self._predicted_prefill - target) > 0.02 * target + 1e-12:
+            lo, hi = prefill_mean_bpd(int(self.min_budget), p, d, per), prefill_mean_bpd(p, p, d, per)
+            raise Unsupported(
+                f"h2o: bpd={target} is not reachable after a {p}-token prefill with {d} decoded positions: "
+                f"the mean over the scored positions lies in [{lo:.3g}, {hi:.3g}] (min_budget="
+                f"{self.min_budget}); budget='nominal' maps ρ = bpd/{per:g} instead")
+        return c
+
     def new_layer_state(self, layer):
         h, r = self._ratios
         scale = getattr(self, "_qall_scale", 1.0)
@@ -177,7 +203,17 @@ class H2O(KVMethod):
             "budget": self.budget,
             "rho_qall": (h + r) * getattr(self, "_qall_scale", 1.0),
             "predicted_qall_bpd": getattr(self, "_predicted", None),
+            **({"predicted_prefill_bpd": self._predicted_prefill}
+               if getattr(self, "_predicted_prefill", None) is not None else {}),
         }
+
+    def allocation(self):
+        """``kept``: the kept fraction ρ = heavy_ratio + recent_ratio of every KV head [L, H_kv]
+        (H2O keeps as many tokens in every head: the map is uniform by construction)."""
+        if getattr(self, "_shape", None) is None:
+            return {}
+        kept = float(sum(self._ratios))
+        return {"kept": torch.full((self._shape.n_layers, self._shape.n_kv_heads), kept, dtype=torch.float64)}
 
     def nominal_bpd(self, n_tokens):
         """§6.4: ρ·(16 + 32/(2d)) on each side (floors and rounding not included)."""
@@ -185,6 +221,16 @@ class H2O(KVMethod):
             raise RuntimeError("h2o: call configure() before nominal_bpd()")
         bpd = sum(self._ratios) * self.bits_per_element(self._shape.head_dim)
         return bpd, bpd
+
+
+def prefill_mean_bpd(kept: int, prompt: int, decode: int, per: float) -> float:
+    """docs/methods.md §0 for H2O after an exact ``prompt``-token prefill that keeps ``kept``
+    tokens, then ``decode`` decoded positions: the prompt's own prediction reads the stored prompt
+    (kept/P), decoded position P+j-1 reads the kept + 1 tokens before its eviction of the P+j held;
+    the mean over the 1 + D scored positions, at ``per`` bits per kept element and side."""
+    j = torch.arange(1, decode + 1, dtype=torch.float64)
+    reads = kept / prompt + float(((kept + 1) / (prompt + j)).sum())
+    return reads / (1 + decode) * per
 
 
 def qall_mean_bpd(rho: float, min_budget: int, tokens: int, per: float) -> float:

@@ -271,8 +271,8 @@ def test_bad_inputs():
 @pytest.mark.parametrize("target", [1.0, 2.0, 4.0])
 def test_measured_budget_holds_the_target_over_query_positions(target):
     """Default budget='measured': in Q-all ρ is fitted so that what the queries read, averaged
-    over positions (docs/methods.md §0 v2, min_budget floor and the query itself included), is the
-    target; in a prefill regime the end of prefill is, so ρ keeps the §6.4 formula."""
+    over positions (docs/methods.md §0, min_budget floor and the query itself included), is the
+    target; the §6.4 ratios (what a prefill of that method keeps) stay beside it."""
     t, d = 1024, 64
     q, k, v = make_qkv(1, 2, 2, t, d, seed=71)
     per = 16 + 16 / d
@@ -294,6 +294,39 @@ def test_measured_budget_holds_the_target_over_query_positions(target):
     assert abs(state.stored_bits()[0] / (2 * t * d) - target) <= per / t + 1e-12
 
 
+@pytest.mark.parametrize("target", [0.5, 1.0, 2.0])
+def test_measured_budget_in_a_prefill_regime_holds_the_target_over_the_scored_positions(target):
+    """After a P-token exact prefill the kept count C stays fixed while the held positions grow:
+    the fit takes the C whose mean over the 1 + D scored positions (the prompt's own prediction at
+    the stored prompt, then each decoded position's read) is closest to the target; the state's
+    own reads give exactly that figure, within 2 % of the target, and the end of prefill above it."""
+    from methods.h2o import prefill_mean_bpd
+
+    p, dec, d = 768, 255, 64
+    q, k, v = make_qkv(1, 2, 2, p + dec, d, seed=72)
+    per = 16 + 16 / d
+    m = H2O()
+    m.set_regime(Regime("prefill", p, dec))
+    m.configure(ModelShape(2, 4, 2, d), target, target)
+    kn = m.knobs()
+    state = m.new_layer_state(0)
+    with torch.no_grad():
+        state.attend(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling=d**-0.5, prefill=True)
+        end_of_prefill = state.stored_bits()[0] / (p * 2 * d)
+        state.attend(q[:, :, p:], k[:, :, p:], v[:, :, p:], scaling=d**-0.5, prefill=False)
+    bits_k, bits_v = state.read_bits()
+    held = torch.arange(p + 1, p + dec + 1, dtype=torch.float64) * 2 * d
+    mean = (end_of_prefill + float((bits_k / held).sum())) / (1 + dec)
+    assert torch.equal(bits_k, bits_v)
+    assert mean == pytest.approx(kn["predicted_prefill_bpd"], abs=1e-12)
+    assert abs(mean - target) <= 0.02 * target
+    kept = round(kn["rho"] * p)
+    assert kn["predicted_prefill_bpd"] == pytest.approx(prefill_mean_bpd(kept, p, dec, per), abs=1e-12)
+    for other in (kept - 1, kept + 1):  # the closest kept count
+        assert abs(prefill_mean_bpd(other, p, dec, per) - target) >= abs(mean - target) - 1e-12
+    assert end_of_prefill > target
+
+
 def test_measured_budget_below_the_floor_is_unsupported():
     m = H2O()
     m.set_regime(Regime("qall", 64))
@@ -302,18 +335,20 @@ def test_measured_budget_below_the_floor_is_unsupported():
 
 
 def test_prefill_regime_is_not_held_to_the_qall_floor():
-    """PPL track B / LongBench: the headline is the end of an exact prefill of P tokens, where
-    ρ = bpd / (16 + 16/d) holds; the Q-all floor (min_budget tokens at every early position) must
-    not make a reachable target unsupported (0.5 bpd over a 1536-token prefill keeps 47 tokens)."""
+    """PPL track B / LongBench: the Q-all floor (min_budget tokens at every early position) must
+    not make a target that a prefill regime reaches unsupported (0.5 bpd over a 1536-token prefill
+    and 511 decoded positions keeps 54 tokens, stored exactly as fitted)."""
     t, d = 1536, 64
     m = H2O()
     m.set_regime(Regime("prefill", t, 511))
     m.configure(ModelShape(2, 4, 2, d), 0.5, None)
-    assert m.knobs()["rho"] == pytest.approx(0.5 / (16 + 16 / d))
+    assert m.knobs()["predicted_prefill_bpd"] == pytest.approx(0.5, rel=0.02)
+    kept = round(m.knobs()["rho"] * t)
+    assert kept == 54
     q, k, v = make_qkv(1, 2, 2, t, d, seed=5)
     state = m.new_layer_state(0)
     state.attend(q, k, v, scaling=d**-0.5, prefill=True)
-    assert abs(state.stored_bits()[0] / (2 * t * d) - 0.5) <= (16 + 16 / d) / t + 1e-12
+    assert state.stored_bits()[0] == kept * 2 * d * (16 + 16 / d)
     m.set_regime(Regime("qall", t))  # the same target in Q-all is below the floor
     with pytest.raises(Unsupported, match="min_budget=8"):
         m.configure(ModelShape(2, 4, 2, d), 0.5, None)
