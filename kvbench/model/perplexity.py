@@ -14,6 +14,7 @@ PPL = exp(ΣNLL / #predicted) over all the windows given, summed in window order
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -40,10 +41,15 @@ def window_nll(lm: CompressedLM, window: torch.Tensor, track: str, context: int 
     raise ValueError(f"unknown perplexity track {track!r}; valid choices: {', '.join(TRACKS)}")
 
 
-def perplexity(lm: CompressedLM, windows, track: str = "A", context: int | None = None) -> float:
-    """Perplexity of ``windows`` (an iterable of [T] token windows) through ``lm``."""
+def perplexity(lm: CompressedLM, windows, track: str = "A", context: int | None = None,
+               each: Callable[[float, int], None] | None = None) -> float:
+    """Perplexity of ``windows`` (an iterable of [T] token windows) through ``lm``; ``each(nll,
+    count)``, when given, sees every window's summed NLL and predicted tokens as it is scored (the
+    ``ppl`` task's live progress)."""
     total, n = 0.0, 0
     for window in windows:
         nll, count = window_nll(lm, window, track, context)
         total, n = total + nll, n + count
+        if each is not None:
+            each(nll, count)
     return math.exp(total / n)

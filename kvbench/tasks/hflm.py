@@ -4,6 +4,12 @@ compression), float32 log-softmax (see :mod:`kvbench.tasks.zeroshot`).
 
 A module of its own because importing lm-eval takes seconds: :mod:`.zeroshot` and :mod:`.ruler`
 import it when they evaluate, not when the task registry is filled.
+
+Progress (``progress``, the job's :data:`kvbench.context.Progress`, set by the task): scoring
+reports at most :data:`REPORTS` points of ``zeroshot/requests`` (requests done, the running measured
+bpd); generation reports every request under ``<progress_prefix>/<task>`` (items done, prompt and
+new tokens, the bits that item read), and each generation record keeps that item's ``bpd_k`` and
+``bpd_v``.
 """
 
 from __future__ import annotations
@@ -15,8 +21,13 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import _add_special_kwargs, handle_stop_sequences, has_bos_prefix
 from tqdm.auto import tqdm
 
+from ..context import no_progress
 from .generation import stop_token_ids
 from .query_protocol import protocol, cut_at_question
+from .reporting import RunningBpd, bpd_since, mark
+
+#: the most progress points one batch of scored requests makes
+REPORTS = 200
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,12 @@ class CompressedHFLM(HFLM):
 
     #: how many trailing positions of the next ``_model_call`` predict the continuation
     _scored = None
+    #: the job's progress callback (set by the task) and the section prefix of generation
+    progress = staticmethod(no_progress)
+    progress_prefix = "generate"
+    #: lm-eval task name -> the name its generation section is reported under
+    progress_names: dict = {}
+    _requests_done = 0
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         return self.clm.logits(inps, scored=self._scored)
@@ -47,8 +64,13 @@ class CompressedHFLM(HFLM):
         """One request per pass, so that each pass knows its continuation's length: the
         measured bpd of a request is the mean over the positions that predict its
         continuation (docs/methods.md §0 v3), never over its context."""
+        report = self._request_reporter(len(requests))
         if not _in_pass(self.clm):
-            return [self._score_request(req) for req in requests]
+            out = []
+            for req in requests:
+                out.append(self._score_request(req))
+                report()
+            return out
         out = []
         for req in tqdm(requests, desc="zero-shot requests", unit="req", disable=disable_tqdm):
             self._scored = len(req[2])
@@ -56,7 +78,26 @@ class CompressedHFLM(HFLM):
                 out += super()._loglikelihood_tokens([req], True, override_bs)
             finally:
                 self._scored = None
+            report()
         return out
+
+    def _request_reporter(self, total: int):
+        """A callable run after each scored request: every ``total / REPORTS`` requests (and at
+        the last) a point of ``zeroshot/requests`` with the requests done so far in this
+        evaluation, the batch's size and the running measured bpd."""
+        if self.progress is no_progress:
+            return lambda: None
+        every, bpd, start = max(1, -(-total // REPORTS)), RunningBpd(self.clm), self._requests_done
+        state = {"i": 0}
+
+        def report():
+            state["i"] += 1
+            self._requests_done = start + state["i"]
+            if state["i"] % every == 0 or state["i"] == total:
+                self.progress("zeroshot/requests", self._requests_done, done=state["i"], total=total,
+                              **bpd.values())
+
+        return report
 
     def _score_request(self, req):
         request_str, context_enc, continuation_enc = req
@@ -88,10 +129,17 @@ class CompressedHFLM(HFLM):
         at the task's ``until`` strings (and the EOS string) as lm-eval's HFLM does."""
         self.generation_records = []
         bar = tqdm(requests, desc="generate", unit="item", disable=disable_tqdm)
-        out = []
+        out, done = [], {}
         for req in bar:
-            bar.set_description(f"{getattr(req, 'task_name', None) or 'generate'}")
+            task = getattr(req, "task_name", None) or "generate"
+            bar.set_description(task)
+            task = self.progress_names.get(task, task)
             out.append(self._generate_request(req))
+            done[task] = done.get(task, 0) + 1
+            rec = self.generation_records[-1]
+            self.progress(f"{self.progress_prefix}/{task}", done[task], prompt_tokens=rec["prompt_tokens"],
+                          new_tokens=rec["new_tokens"],
+                          **{k: rec[k] for k in ("bpd_k", "bpd_v") if rec.get(k) is not None})
         return out
 
     def _add_special(self, text: str) -> bool:
@@ -116,6 +164,7 @@ class CompressedHFLM(HFLM):
         split = not self.query_aware and n_context < len(ids)
         prompt = torch.tensor([ids], dtype=torch.long)
         stops = stop_token_ids(self.clm.model, self.tokenizer)
+        start = mark(self.clm)
         if split:
             new = self.clm.generate_query_agnostic(prompt, n_context, max_gen, stops)
         else:
@@ -134,6 +183,7 @@ class CompressedHFLM(HFLM):
             "max_gen_toks": max_gen,
             "protocol": protocol(not split),
             "prediction": text,
+            **bpd_since(self.clm, start),  # the bits this item read
         })
         return text
 

@@ -24,6 +24,10 @@ Follows THUDM/LongBench ``pred.py`` and ``eval.py``:
 Items: the first ``limit`` records of each subset's file, in file order (pred.py takes them all):
 no seed is involved, so every method and every job seed scores the same items.
 
+Progress: each item is a point of the section ``longbench/<subset>`` (the running F1 and the
+item's, in percent; its prompt tokens; the running measured bpd); each record keeps the
+``bpd_k``/``bpd_v`` its item read.
+
 Data: ``data_dir`` holding LongBench's official ``<name>.jsonl`` files (the members of the hub's
 ``data.zip``: ``data_dir/<name>.jsonl`` or ``data_dir/data/<name>.jsonl``), or the hub
 (``datasets.load_dataset("THUDM/LongBench", name, split="test")``, then ``data.zip``).
@@ -40,11 +44,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..context import Progress, no_progress
 from .f1 import best_f1, best_f1_zh, dataset_score
 from .generation import apply_chat, context_window, generate_with_protocol, stop_token_ids
 from .longqa_squad import evaluate_longqa_squad
 from .query_protocol import protocol, query_aware_setting, template_tail
 from .registry import register_task, task_limit
+from .reporting import bpd_since, item_progress, mark
 from .longbench_prompts import (
     CHINESE_F1,
     DATASET2MAXLEN,
@@ -223,13 +229,16 @@ def fit_context(max_length: int, max_new_tokens: int, window: int | None, datase
 
 
 def evaluate_dataset(
-    lm, dataset: str, items: list[dict], max_length: int, chat: bool, query_aware: bool = True
+    lm, dataset: str, items: list[dict], max_length: int, chat: bool, query_aware: bool = True,
+    progress: Progress = no_progress,
 ) -> list[dict]:
     stop_ids = stop_token_ids(lm.model, lm.tokenizer)
     max_length = fit_context(max_length, DATASET2MAXLEN[dataset], context_window(lm.model), dataset)
     records = []
+    report = item_progress(lm, f"longbench/{dataset}", progress)
     for item in tqdm(items, desc=f"longbench {dataset}", unit="item"):
         prompt = build_prompt(item, dataset, lm.tokenizer, max_length, chat)
+        start = mark(lm)
         pred, how = generate_with_protocol(
             lm, prompt["text"], prompt["input_ids"], template_tail(DATASET2PROMPT[dataset], item),
             not prompt["chat"], DATASET2MAXLEN[dataset], stop_ids, query_aware,
@@ -245,8 +254,10 @@ def evaluate_dataset(
                 "truncated": prompt["truncated"],
                 "max_length": max_length,
                 **how,
+                **bpd_since(lm, start),  # the bits this item read
             }
         )
+        report(records)
     return records
 
 
@@ -258,6 +269,7 @@ def evaluate_longbench(
     max_length: int = 31500,
     chat: bool = False,
     query_aware: bool = True,
+    progress: Progress = no_progress,
 ) -> dict:
     """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (docs/methods.md §9.3).
 
@@ -281,7 +293,7 @@ def evaluate_longbench(
     loaded = {name: load_longbench(name, data_dir, limit) for name in datasets}  # fail early
     scores, counts, records = {}, {}, {}
     for name in datasets:
-        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat, query_aware)
+        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat, query_aware, progress)
         records[name], counts[name] = recs, len(recs)
         scores[name] = dataset_score([r["f1"] for r in recs])
         log.info("longbench %s: %.2f over %d items", name, scores[name], len(recs))
@@ -298,7 +310,7 @@ def evaluate_longbench(
 
 
 @register_task("longbench")
-def run_longbench(job, lm, result: dict) -> None:
+def run_longbench(job, lm, result: dict, progress: Progress = no_progress) -> None:
     """``task.longbench.datasets``: LongBench subsets, and ``longqa_squad`` (the embedded stand-in),
     query-aware unless ``task.longbench.query_aware=false``."""
     lb = job.task.longbench
@@ -308,13 +320,14 @@ def run_longbench(job, lm, result: dict) -> None:
     if "longqa_squad" in datasets:
         # the task's own item seed, never the job's: every method and job seed gets the same items
         out = evaluate_longqa_squad(lm, n_items=task_limit(job, lb) or 20,
-                                    item_seed=int(lb.get("item_seed", 0)), query_aware=query_aware)
+                                    item_seed=int(lb.get("item_seed", 0)), query_aware=query_aware,
+                                    progress=progress)
         result["predictions"]["longqa_squad"] = out.pop("records")
         result["counts"]["longqa_squad_items"] = out["n"]
         result["metrics"]["longqa_squad"] = out
     if real:
         out = evaluate_longbench(lm, real, lb.get("data_dir"), task_limit(job, lb), lb.max_length,
-                                 bool(job.model.chat), query_aware=query_aware)
+                                 bool(job.model.chat), query_aware=query_aware, progress=progress)
         result["predictions"]["longbench"] = out.pop("records")
         result["counts"]["longbench_items"] = out.pop("counts")
         result["metrics"]["longbench"] = out

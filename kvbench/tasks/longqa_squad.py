@@ -21,6 +21,9 @@ every job seed is scored on the same questions, so differences between cells are
 item noise (≈10 F1 at n=20). The result records the item seed and the question ids.
 Decision where docs/methods.md is silent: the item seed is fixed at 0 by default; another value draws
 another fixed sample for every job alike.
+
+Progress: each item is a point of the section ``longqa_squad`` (:func:`kvbench.tasks.reporting.item_progress`); each
+record keeps the ``bpd_k``/``bpd_v`` its item read.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..context import Progress, no_progress
 from .f1 import best_f1, dataset_score
 from .generation import apply_chat, generate_with_protocol, stop_token_ids
 from .query_protocol import protocol, template_tail
 from .longbench_prompts import DATASET2PROMPT
+from .reporting import bpd_since, item_progress, mark
 
 PROMPT = DATASET2PROMPT["multifieldqa_en"]
 MAX_NEW_TOKENS = 32
@@ -164,7 +169,7 @@ def build_items(
 
 def evaluate_longqa_squad(
     lm, n_items: int = 20, item_seed: int = 0, target_tokens=(2000, 4000), chat: bool | None = None,
-    query_aware: bool = True,
+    query_aware: bool = True, progress: Progress = no_progress,
 ) -> dict:
     """F1 (0-100) of ``lm`` (a CompressedLM) on ``n_items`` longqa_squad items.
 
@@ -182,10 +187,12 @@ def evaluate_longqa_squad(
     stop_ids = stop_token_ids(lm.model, tok)
     records = []
     items = build_items(tok, n_items, item_seed, target_tokens)
+    report = item_progress(lm, "longqa_squad", progress)
     for item in tqdm(items, desc="longqa_squad", unit="item"):
         text = apply_chat(tok, item["prompt"]) if use_chat else item["prompt"]
         ids = tok(text, add_special_tokens=not use_chat)["input_ids"]
         tail = template_tail(PROMPT, {"input": item["question"]})
+        start = mark(lm)
         pred, how = generate_with_protocol(
             lm, text, ids, tail, not use_chat, MAX_NEW_TOKENS, stop_ids, query_aware
         )
@@ -199,8 +206,10 @@ def evaluate_longqa_squad(
                 "gold_position": item["gold_position"],
                 "n_passages": item["n_passages"],
                 **how,
+                **bpd_since(lm, start),  # the bits this item read
             }
         )
+        report(records)
     return {
         "f1": dataset_score([r["f1"] for r in records]),
         "n": len(records),

@@ -6,7 +6,9 @@ SnapKV applies); the loop is :mod:`kvbench.model.perplexity`, the one the held-o
 
 Returns per-dataset PPL plus the arithmetic and geometric means over the datasets evaluated; the
 measured bpd of each window is in ``lm.readings`` (track A pools every query position of every
-window, track B the scored positions).
+window, track B the scored positions). While it runs, each window is a progress point of the
+section ``ppl/<dataset>``: the running NLL (nats per token) and PPL over the windows so far, the
+window's own PPL and the running measured bpd.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import math
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from ..context import Progress, no_progress
 from ..data.windows import ppl_windows
 from ..model.compressed_lm import CompressedLM
 from ..model.perplexity import perplexity
 from .registry import register_task, task_limit
+from .reporting import RunningBpd, exp
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +37,14 @@ def evaluate_ppl(
     track: str = "A",
     context: int = 1536,
     data_dirs: dict | None = None,
+    progress: Progress = no_progress,
 ) -> dict:
     data_dirs = data_dirs or {}
     ppl, counts = {}, {}
     for name in datasets:
         windows = ppl_windows(lm.tokenizer, name, seqlen, limit, data_dirs.get(name))
         bar = tqdm(windows, desc=f"ppl {name} (track {track})", unit="window")
-        ppl[name] = perplexity(lm, bar, track, context)
+        ppl[name] = perplexity(lm, bar, track, context, each=window_progress(lm, f"ppl/{name}", progress))
         counts[name] = len(windows)
         log.info("ppl %s = %.4f over %d windows of %d tokens", name, ppl[name], len(windows), seqlen)
     values = list(ppl.values())
@@ -53,12 +58,30 @@ def evaluate_ppl(
     }
 
 
+def window_progress(lm: CompressedLM, section: str, progress: Progress):
+    """The perplexity loop's ``each``: one progress point of ``section`` per window."""
+    if progress is no_progress:
+        return None
+    bpd, seen = RunningBpd(lm), {"windows": 0, "nll": 0.0, "tokens": 0}
+
+    def each(nll: float, count: int) -> None:
+        seen["windows"] += 1
+        seen["nll"] += nll
+        seen["tokens"] += count
+        mean = seen["nll"] / seen["tokens"]
+        progress(section, seen["windows"], nll=mean, ppl=exp(mean), window_ppl=exp(nll / count),
+                 **bpd.values())
+
+    return each
+
+
 @register_task("ppl")
-def run_ppl(job, lm: CompressedLM, result: dict) -> None:
+def run_ppl(job, lm: CompressedLM, result: dict, progress: Progress = no_progress) -> None:
     p = job.task.ppl
     out = evaluate_ppl(
         lm, list(p.datasets), p.seqlen, task_limit(job, p), p.track, p.context,
         OmegaConf.to_container(p.data_dir, resolve=True) if p.get("data_dir") else {},
+        progress,
     )
     result["metrics"]["ppl"] = out["ppl"]
     result["counts"]["ppl_windows"] = out["windows"]

@@ -1,7 +1,9 @@
-"""The task registry: ``@register_task("name")`` on a function ``run(job, lm, result)`` that
-evaluates ``lm`` (a :class:`kvbench.model.compressed_lm.CompressedLM`) and writes its metrics,
-counts and predictions into ``result``. :func:`run_tasks` runs the job's ``tasks`` in order and
-pools each task's measured bpd.
+"""The task registry: ``@register_task("name")`` on a function ``run(job, lm, result, progress)``
+that evaluates ``lm`` (a :class:`kvbench.model.compressed_lm.CompressedLM`) and writes its
+metrics, counts and predictions into ``result``, telling ``progress`` (the job's
+:data:`kvbench.context.Progress`; :func:`~kvbench.context.no_progress` by default) how far it is.
+:func:`run_tasks` runs the job's ``tasks`` in order, pools each task's measured bpd and reports it
+(section ``tasks``: one point per task done).
 
 Registering is importing: :mod:`kvbench.tasks` imports every task module, in the order the error
 message lists them. A task module keeps lm-eval's import inside its function (it takes seconds).
@@ -10,10 +12,12 @@ message lists them. A task module keeps lm-eval's import inside its function (it
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from methods import Unsupported
 
+from ..context import Progress, no_progress
 from ..model.compressed_lm import NotInPass, summarize_readings
 
 log = logging.getLogger("kvbench")
@@ -22,7 +26,7 @@ TASKS: dict[str, Callable] = {}
 
 
 def register_task(name: str):
-    """Register ``run(job, lm, result)`` under the ``tasks=`` name ``name``."""
+    """Register ``run(job, lm, result, progress=no_progress)`` under the ``tasks=`` name ``name``."""
     def register(fn: Callable) -> Callable:
         if name in TASKS:
             raise ValueError(f"task {name!r} is registered twice")
@@ -37,22 +41,24 @@ def task_limit(job, section) -> int | None:
     return job.limit if job.limit is not None else section.get("limit")
 
 
-def run_tasks(job, lm, result: dict) -> None:
+def run_tasks(job, lm, result: dict, progress: Progress = no_progress) -> None:
     """Run every task of ``job.tasks``; a task the method cannot do is listed, not fatal."""
     unknown = [t for t in job.tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; valid choices: {', '.join(TASKS)}")
     by_task = result["bpd"].setdefault("by_task", {})
-    for task in job.tasks:
-        mark = len(lm.readings)
+    for done, task in enumerate(job.tasks, 1):
+        mark, t0 = len(lm.readings), time.perf_counter()
         try:
-            TASKS[task](job, lm, result)
+            TASKS[task](job, lm, result, progress)
         except NotInPass as err:
             result.setdefault("unsupported_tasks", {})[task] = str(err)
             log.warning("%s: unsupported for %s: %s", task, lm.method.name, err)
         summary = summarize_readings(lm.readings[mark:])
         if summary is not None:
             by_task[task] = summary
+        bpd = {} if summary is None else {"bpd_k": summary["measured_k"], "bpd_v": summary["measured_v"]}
+        progress("tasks", done, seconds=time.perf_counter() - t0, **bpd)
     if len(result.get("unsupported_tasks", {})) == len(job.tasks):
         raise Unsupported("; ".join(result["unsupported_tasks"].values()))
     headline = headline_bpd(by_task, job.tasks)

@@ -56,6 +56,11 @@ Decisions where docs/methods.md is silent: the item cap and per-(task, length) s
 ``lm_eval`` call with several tasks or lengths the global state runs on from one to the next, so
 its later tasks' items depend on which ran before; here a task's items never do); the chat template
 follows the model config (``chat``, as LongBench); SQuAD v1.1 as the offline qa_squad source.
+
+**Progress**: each generated item is a point of the section ``ruler/<task>`` (items done, prompt
+and new tokens, the bits it read: :mod:`kvbench.tasks.hflm`); once lm-eval has scored them, the
+section ``ruler`` gets one point per task (its score and its score at each length). Each record
+keeps the ``bpd_k``/``bpd_v`` its item read.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ from unittest import mock
 
 import numpy as np
 
+from ..context import Progress, no_progress
 from .query_protocol import query_aware_setting
 from .registry import register_task, task_limit
 
@@ -561,6 +567,8 @@ def _records(out: dict, hflm) -> list[dict]:
                 "prediction": g.get("prediction"),
                 "answers": list(doc["outputs"]),
                 "score": s.get(length),
+                "bpd_k": g.get("bpd_k"),
+                "bpd_v": g.get("bpd_v"),
             })
     return records
 
@@ -598,6 +606,7 @@ def evaluate_ruler(
     item_seed: int | None = None,
     chat: bool | None = None,
     offline: str | bool = "auto",
+    progress: Progress = no_progress,
 ) -> dict:
     """RULER scores of ``lm`` (a CompressedLM), docs/methods.md §9.4.
 
@@ -638,6 +647,7 @@ def evaluate_ruler(
         hflm = compressed_hflm(lm, max_length=window)
         hflm.query_aware = bool(query_aware)
         hflm.question_start = question_start
+        hflm.progress, hflm.progress_prefix, hflm.progress_names = progress, "ruler", LM_EVAL_TO_TASK
         out = simple_evaluate(
             model=hflm,
             tasks=[RULER_TASKS[t].lm_eval_name for t in run],
@@ -674,11 +684,25 @@ def evaluate_ruler(
     for name, score in scores.items():
         if name in RULER_TASKS:
             log.info("ruler %s: %.2f", name, score)
+    report_scores(scores, run, lengths, progress)
     return result
 
 
+def report_scores(scores: dict, tasks: list[str], lengths: list[int], progress: Progress) -> None:
+    """One progress point of ``ruler`` per task that was scored: its score (0-100) and its score at
+    each length (``<task>/<length>``)."""
+    done = 0
+    for task in tasks:
+        if task not in scores:
+            continue
+        at = {f"{task}/{L}": scores["by_length"][str(L)][task] for L in lengths
+              if task in scores["by_length"].get(str(L), {})}
+        done += 1
+        progress("ruler", done, **{task: scores[task]}, **at)
+
+
 @register_task("ruler")
-def run_ruler(job, lm, result: dict) -> None:
+def run_ruler(job, lm, result: dict, progress: Progress = no_progress) -> None:
     """RULER (``ruler``, or ``ruler_wiki`` on stand-in data); query-agnostic unless
     ``task.ruler.query_aware=true``; the task's own item seed, never the job's."""
     r = job.task.get("ruler") or {}
@@ -694,6 +718,7 @@ def run_ruler(job, lm, result: dict) -> None:
         hotpot=r.get("hotpot"),
         item_seed=r.get("item_seed"),
         chat=bool(job.model.chat) if r.get("chat") is None else bool(r.get("chat")),
+        progress=progress,
     )
     name = out["benchmark"]
     result["predictions"][name] = out.pop("records")

