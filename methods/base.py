@@ -216,6 +216,14 @@ class KVMethod:
         """The knobs chosen by ``configure``/``calibrate`` (logged into result.json)."""
         return {}
 
+    def allocation(self) -> dict[str, torch.Tensor]:
+        """How the budget is spread over the model, for a figure: float tensors ``[n_layers,
+        n_kv_heads]`` by name, each one number per KV head. Names: ``k_rank`` (latent rank kept),
+        ``k_bits`` (mean bits per kept key coordinate), ``k_bpd`` / ``v_bpd`` (the head's bits per
+        key / value element), ``kept`` (fraction of the tokens kept). Available after
+        ``configure``/``calibrate``; ``{}`` for a method that spreads nothing (the default)."""
+        return {}
+
     def static_bytes(self) -> int:
         """Bytes of the per-model constants fitted by ``calibrate`` (projections, steps, signs,
         means, codebooks): docs/methods.md §0 reports them beside bpd, never in it. 0 for methods that

@@ -188,6 +188,7 @@ class Cobra(KVMethod):
         self._k_codecs: list | None = None
         self._v_codecs: list | None = None
         self._budgets: torch.Tensor | None = None
+        self._ranks: torch.Tensor | None = None
         self._knobs: dict = {}
 
     # ---- budget ---------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ class Cobra(KVMethod):
             b_min=self.b_min, b_max=self.b_max, rank_step=self.rank_step, q_model=self.q_model,
         )
         alloc_ms = 1e3 * (time.perf_counter() - t0)
-        self._budgets = budgets
+        self._budgets, self._ranks = budgets, rank
         heads, branches = [], {}
         for n in range(budgets.numel()):
             r = int(rank[n])
@@ -350,6 +351,18 @@ class Cobra(KVMethod):
 
     def knobs(self):
         return dict(self._knobs)
+
+    def allocation(self):
+        """C1/C2's choice per KV head [L, H_kv]: ``k_rank`` r_h, ``k_bits`` B_h / r_h (the mean
+        bits per kept latent coordinate; 0 where r_h = 0) and ``k_bpd`` B_h / d; ``{}`` before
+        calibration or with keys at 16 bits."""
+        if self._budgets is None or self._ranks is None or self._total_bits is None:
+            return {}
+        shape = (self._shape.n_layers, self._shape.n_kv_heads)
+        b = self._budgets.to(torch.float64).reshape(shape)
+        r = self._ranks.to(torch.float64).reshape(shape)
+        return {"k_rank": r, "k_bits": torch.where(r > 0, b / r.clamp(min=1), torch.zeros_like(b)),
+                "k_bpd": b / self._shape.head_dim}
 
     def nominal_bpd(self, n_tokens):
         if self._total_bits is None:

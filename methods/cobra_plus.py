@@ -468,6 +468,15 @@ class CobraPlus(Cobra):
                 per[n][sel] = m
         return per, knobs
 
+    def allocation(self):
+        """:meth:`methods.cobra.Cobra.allocation`, plus ``v_bpd`` (B_h^V / d) when values have
+        per-head budgets (the joint K/V allocation)."""
+        out = super().allocation()
+        if self._v_budgets is not None:
+            shape = (self._shape.n_layers, self._shape.n_kv_heads)
+            out["v_bpd"] = self._v_budgets.to(torch.float64).reshape(shape) / self._shape.head_dim
+        return out
+
     def nominal_bpd(self, n_tokens):
         bpd_k, bpd_v = super().nominal_bpd(n_tokens)
         if self._v_budgets is not None:

@@ -224,6 +224,15 @@ class KQSVD(KVMethod):
     def knobs(self):
         return dict(self._knobs)
 
+    def allocation(self):
+        """The chosen (r, b) for every KV head [L, H_kv] (KQ-SVD spreads its budget uniformly):
+        ``k_rank`` r, ``k_bits`` b, ``k_bpd`` r b / d; ``{}`` before calibration or at 16 bits."""
+        if self._rb is None or self._cands is None:
+            return {}
+        r, b = self._rb
+        full = torch.ones(self._shape.n_layers, self._shape.n_kv_heads, dtype=torch.float64)
+        return {"k_rank": full * r, "k_bits": full * b, "k_bpd": full * (r * b / self._shape.head_dim)}
+
     def nominal_bpd(self, n_tokens):
         if self._cands is None:
             return 16.0, self._v_nominal

@@ -224,6 +224,15 @@ class SnapKV(KVMethod):
             "decode_interval": self.interval,
         }
 
+    def allocation(self):
+        """``kept``: the fraction C/T of the prompt every KV head keeps at the end of a prefill of
+        the regime's T tokens [L, H_kv] (one capacity for all heads: uniform by construction)."""
+        if self._shape is None:
+            return {}
+        t = self.regime.tokens
+        kept = min(1.0, self.capacity_for(t) / t)
+        return {"kept": torch.full((self._shape.n_layers, self._shape.n_kv_heads), kept, dtype=torch.float64)}
+
     def nominal_bpd(self, n_tokens):
         """§7.3: 16·C/T at the end of prefill (×g under gqa=repeat; C of the decode policy); 16
         when T ≤ C."""

@@ -388,3 +388,12 @@ class Compose(KVMethod):
             "evict": self.evict, "codec": self.codec, **self._knobs,
             "evict_knobs": self._evictor.knobs(), "codec_knobs": self._codec.knobs(),
         }
+
+    def allocation(self):
+        """The codec's allocation (its bits per kept element) and ``kept``, the fitted kept
+        fraction ρ of every KV head [L, H_kv]."""
+        out = dict(self._codec.allocation())
+        if self._shape is not None and self._rho is not None:
+            out["kept"] = torch.full((self._shape.n_layers, self._shape.n_kv_heads), float(self._rho),
+                                     dtype=torch.float64)
+        return out
