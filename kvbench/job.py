@@ -4,8 +4,12 @@ The job's data flow, in order: the config read once (:mod:`kvbench.config`) → 
 once per process (:mod:`kvbench.model.loading`) → the :class:`~kvbench.context.JobContext` →
 calibration statistics and the free parameters fitted on held-out windows (:mod:`kvbench.fit`) →
 the method attached (``with attached(...)``) → the tasks (:mod:`kvbench.tasks`) → the result, its
-summary and its W&B run (:mod:`kvbench.store`). This module only orders those steps; what each one
-does is in its own module.
+summary, its allocation figure and its W&B run (:mod:`kvbench.store`). This module only orders
+those steps; what each one does is in its own module.
+
+The W&B run (:mod:`kvbench.store.tracking`) lives as long as the job: it starts before the model
+loads, every step reports through the context's progress callback, and it closes after
+result.json is written, with the job's status; an interrupted job closes it as failed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from methods import Unsupported, build_method
 
 from .config import Budget, JobConfig, budget, job_regime, redundant_seed
-from .context import JobContext
+from .context import JobContext, no_progress
 from .fit.budget_share import choose_budget_share
 from .fit.cobra_plus_select import select_for_job
 from .fit.kv_split import choose_kv_split
@@ -30,10 +34,11 @@ from .fit.statistics import CalibrationSpec, statistics, with_sample
 from .model.compressed_lm import CompressedLM
 from .model.integrate import attached
 from .model.loading import free_device_memory, load_once
+from .store.figures import allocation_png
 from .store.identity import is_done, job_id
 from .store.results import RESULT_FILE, has_nonfinite, new_result, read_result, write_result
 from .store.summary import print_summary
-from .store.tracking import log_result
+from .store.tracking import Tracker, start_tracking
 from .tasks import run_tasks
 
 log = logging.getLogger("kvbench")
@@ -54,7 +59,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
              f" (replacing a {prior.get('status')} result)" if prior is not None else "")
     result = new_result(job.model.name, job.method, job.seed, None, None)
     result.update(job_id=jid, config=OmegaConf.to_container(cfg, resolve=True), counts={}, predictions={})
-    timings = result["timings"]
+    timings, method = result["timings"], None
+    tracker = start_tracking(job.wandb(), result, Path(out_dir))
+    progress = tracker.progress if tracker.enabled else no_progress
     t_start = time.perf_counter()
     try:
         torch.manual_seed(job.seed)
@@ -64,8 +71,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         if not bud.auto:
             result["bpd"].update(target_k=bud.target_k, target_v=bud.target_v)
         loaded, timings["load_s"] = load_once(job.model, job.device)
-        ctx = JobContext.of(loaded, job.model.name, spec, job.seed, job_regime(job))
+        progress("job", 1, load_s=timings["load_s"])
+        ctx = JobContext.of(loaded, job.model.name, spec, job.seed, job_regime(job), progress)
         method = fit(job, method, ctx, bud, result, Path(out_dir))
+        progress("job", 2, calibrate_s=timings["calibrate_s"], elapsed_s=time.perf_counter() - t_start)
         evaluate(job, ctx, method, result)
     except Unsupported as err:
         result["status"], result["error"] = "unsupported", str(err)
@@ -74,13 +83,34 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         result["status"] = "failed"
         result["error"] = "".join(traceback.format_exception(err))
         log.error("job failed: %s\n%s", err, result["error"])
+    except BaseException:  # Ctrl-C, SystemExit: no result; the W&B run ends as failed
+        tracker.abort(1)
+        raise
     finally:
         free_device_memory()
     timings["total_s"] = time.perf_counter() - t_start
+    predictions = result.get("predictions") or {}  # write_result moves them to predictions.json
     path = write_result(result, Path(out_dir))
     print_summary(result, path)
-    log_result(result, job.wandb(), Path(out_dir))
+    tracker.finish(result, predictions, figures(tracker, method, result, Path(out_dir)), Path(out_dir))
     return result
+
+
+def figures(tracker: Tracker, method, result: dict, out_dir: Path) -> list[Path]:
+    """The allocation figure beside result.json (``allocation.png``) for a tracked job whose
+    method spreads its budget (``KVMethod.allocation()``); a figure that fails is logged, never
+    fatal."""
+    if not tracker.enabled or method is None or result["status"] != "ok":
+        return []
+    try:
+        b = result["bpd"]
+        title = (f"{result['model']} / {result['method']}: target bpd K {b.get('target_k')}, "
+                 f"V {b.get('target_v')}; measured {b.get('measured_k') or 0:.3g} / {b.get('measured_v') or 0:.3g}")
+        path = allocation_png(method.allocation(), out_dir, title)
+        return [] if path is None else [path]
+    except Exception as err:  # noqa: BLE001 - a figure must not fail a finished job
+        log.warning("allocation figure not drawn: %s", err)
+        return []
 
 
 def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_dir: Path):
@@ -138,6 +168,6 @@ def evaluate(job: JobConfig, ctx: JobContext, method, result: dict) -> None:
     with attached(ctx.model, None if job.method == "fp16" else method) as comp:
         lm = CompressedLM(ctx.model, ctx.tokenizer, comp)
         t0 = time.perf_counter()
-        run_tasks(job, lm, result)
+        run_tasks(job, lm, result, ctx.progress)
         result["timings"]["eval_s"] = time.perf_counter() - t0
     result["status"] = "diverged" if has_nonfinite(result["metrics"]) else "ok"

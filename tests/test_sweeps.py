@@ -313,39 +313,3 @@ def test_submitit_sweep_killed_and_rerun_runs_every_job_once(tmp_path):
             assert log_count(d, "skipping") == 0
     ids = [json.loads(p.read_text())["job_id"] for p in sweep.rglob("result.json")]
     assert len(ids) == len(runs) == len(set(ids))
-
-
-# ---- W&B ---------------------------------------------------------------------------------------
-
-
-def _result(**extra):
-    return {"status": "ok", "error": None, "model": "llama3_8b", "method": "cobra_kl", "seed": 2,
-            "job_id": "0123456789abcdef", "bpd": {"target_k": 1.0, "target_v": 4.0, "measured_k": 0.99,
-                                                  "measured_v": 4.0},
-            "metrics": {"ppl": {"wikitext2": 14.6}}, "timings": {"total_s": 1.0},
-            "config": {"experiment": "ablation"}, **extra}
-
-
-def test_wandb_run_identity_and_summary():
-    from kvbench.store.tracking import group_name, run_id, run_name, summary_of
-
-    r = _result()
-    assert run_name(r) == "llama3_8b/cobra_kl/bpd1+v4/seed2"
-    assert group_name(r) == "ablation" and group_name(_result(config={})) == "adhoc"
-    assert run_id(r) == run_id(_result(status="failed"))  # a redone job updates its own run
-    assert run_id(r) != run_id(_result(config={"experiment": "main_table"}))
-    assert run_id(_result(job_id=None)) is None
-    s = summary_of(r)
-    assert s["bpd/measured_k"] == 0.99 and s["metrics/ppl/wikitext2"] == 14.6 and s["status"] == "ok"
-
-
-def test_wandb_offline_and_bad_mode_never_fail(tmp_path):
-    pytest.importorskip("wandb")
-    from kvbench.store.tracking import log_result, run_id
-
-    log_result(_result(), {"mode": "bogus"}, tmp_path / "bad")  # logged, not raised
-    log_result(_result(), {"mode": "disabled"}, tmp_path / "off")
-    assert not (tmp_path / "off" / "wandb").exists()
-    log_result(_result(), {"mode": "offline", "project": "kvbench"}, tmp_path / "job")
-    runs = list((tmp_path / "job" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and runs[0].name.endswith(run_id(_result()))

@@ -1,95 +1,112 @@
-"""Weights & Biases: one run per job (config as config, metrics and measured bpd as summary).
+"""Weights & Biases tracking of one job: a run that lives as long as the job (docs/sweeps.md).
 
-``wandb.mode`` is ``offline`` by default (no account needed; upload later with
-``wandb sync runs/<sweep>/*/wandb/offline-run-*``, docs/sweeps.md), ``online`` or ``disabled``.
-Runs are grouped by experiment (``adhoc`` outside one) and named model/method/bpd/seed. The run id
-is derived from the job's identity (``job_id``, kvbench/store/identity.py) and its experiment, so a job
-that is run again (after a failure, or with ``rerun=true``) updates its own W&B run instead of
-adding a second one. A W&B failure never fails the job, and neither does a wrong ``wandb.mode``:
-both are logged, and result.json is written before W&B is touched.
+:func:`start_tracking` is called when the job starts, before the model loads: ``wandb.mode`` is
+``offline`` (default: no account or network; the run lies in ``<job dir>/wandb/offline-run-*``,
+``wandb sync`` uploads it), ``online`` or ``disabled``. It returns a :class:`Tracker`:
+
+* ``progress(section, step, **values)`` while the job runs (the job passes it down as the
+  context's :data:`kvbench.context.Progress`): the run's history, one curve per value, each
+  against its section's own step;
+* ``finish(result, predictions, figures, out_dir)`` after result.json is written: summary (numbers
+  only), labels in the config, the metrics and predictions tables, the figures, the artifact, and
+  the run's end with the job's status (``failed`` ends it as failed);
+* ``abort(exit_code)`` when the job is interrupted (Ctrl-C, ``SystemExit``): the run ends as
+  failed with what it had logged.
+
+``disabled`` (and a wrong ``wandb.mode``, which is logged) gives the inert :class:`Tracker`:
+wandb is not even imported. A W&B failure never fails the job and never touches result.json
+(:mod:`.wandb_run`). Names, group, id, config and summary: :mod:`.wandb_keys`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
+
+from .wandb_keys import code_version, group_name, run_config, run_id, run_name
 
 log = logging.getLogger(__name__)
 MODES = ("offline", "online", "disabled")
-#: result fields copied into the run's summary (slash-flattened: ``metrics/ppl/ptb``, ``bpd/measured_k``)
-SUMMARY_FIELDS = (
-    "status", "error", "model", "method", "seed", "job_id", "bpd", "metrics", "timings", "unsupported_tasks",
-)
+#: seconds an online ``wandb.init`` may take before the run is opened offline instead
+INIT_TIMEOUT_S = 20.0
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "/"))
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            out[key] = v
-    return out
+class Tracker:
+    """No tracking: every call does nothing."""
+
+    enabled = False
+    run_id = None
+
+    def progress(self, section: str, step: int, **values) -> None:
+        """Nothing to record."""
+
+    def finish(self, result: dict, predictions: dict, figures: list, out_dir: Path) -> None:
+        """Nothing to close."""
+
+    def abort(self, exit_code: int) -> None:
+        """Nothing to close."""
 
 
-def _fmt(x) -> str:
-    return "16" if x is None else f"{float(x):g}"
+class _Tracked(Tracker):
+    """A job with a W&B run (:class:`kvbench.store.wandb_run.WandbRun`)."""
+
+    def __init__(self, run):
+        self._run = run
+
+    @property
+    def enabled(self) -> bool:
+        return self._run.enabled
+
+    @property
+    def run_id(self) -> str:
+        return self._run.run_id
+
+    def progress(self, section: str, step: int, **values) -> None:
+        self._run.progress(section, step, **values)
+
+    def finish(self, result: dict, predictions: dict, figures: list, out_dir: Path) -> None:
+        self._run.finish(result, predictions, figures, out_dir)
+
+    def abort(self, exit_code: int) -> None:
+        self._run.close(exit_code)
 
 
-def run_name(result: dict) -> str:
-    """``model/method/bpd/seed``, e.g. ``llama3_8b/cobra_kl/bpd1/seed0`` (``bpd1+v4`` for a K/V split)."""
-    b = result["bpd"]
-    v = "" if b.get("target_v") in (None, 16.0) else f"+v{_fmt(b['target_v'])}"
-    return f"{result['model']}/{result['method']}/bpd{_fmt(b.get('target_k'))}{v}/seed{result['seed']}"
+def run_spec(result: dict, wandb_cfg: dict, out_dir: Path) -> dict:
+    """The keyword arguments of ``wandb.init`` for the job whose fresh result is ``result``."""
+    config = result.get("config") or {}
+    group = group_name(config, out_dir)
+    code = code_version(result.get("versions") or {})
+    return {
+        "project": wandb_cfg.get("project") or "kvbench",
+        "entity": wandb_cfg.get("entity"),
+        "group": group,
+        "job_type": result["method"],
+        "name": run_name(result),
+        "id": run_id(group, result.get("job_id"), code),
+        "tags": [result["model"], result["method"]],
+        "config": run_config(result, out_dir, code),
+        "dir": str(out_dir),
+    }
 
 
-def group_name(result: dict) -> str:
-    return (result.get("config") or {}).get("experiment") or "adhoc"
-
-
-def run_id(result: dict) -> str | None:
-    """A W&B run id stable across reruns of one job in one experiment (None without a job_id)."""
-    jid = result.get("job_id")
-    if not jid:
-        return None
-    return hashlib.sha256(f"{group_name(result)}/{jid}".encode()).hexdigest()[:16]
-
-
-def summary_of(result: dict) -> dict:
-    return flatten({k: result[k] for k in SUMMARY_FIELDS if k in result})
-
-
-def log_result(result: dict, wandb_cfg: dict, out_dir: Path) -> None:
+def start_tracking(wandb_cfg: dict, result: dict, out_dir: Path) -> Tracker:
+    """The job's tracker: a live W&B run, or the inert :class:`Tracker` (``disabled``, a wrong
+    mode, or a run that could not be opened: each logged)."""
     mode = wandb_cfg.get("mode", "offline")
     if mode not in MODES:
         log.error("wandb.mode=%r; valid choices: %s. Not logged to W&B (result.json is written)",
                   mode, ", ".join(MODES))
-        return
+        return Tracker()
     if mode == "disabled":
-        return
+        return Tracker()
     try:
-        import wandb
+        from .wandb_run import start_run
 
-        os.environ.setdefault("WANDB_SILENT", "true")
-        config = result.get("config") or {}
-        run = wandb.init(
-            project=wandb_cfg.get("project") or "kvbench",
-            entity=wandb_cfg.get("entity"),
-            group=group_name(result),
-            job_type=result["method"],
-            name=run_name(result),
-            id=run_id(result),
-            resume="allow",
-            tags=[result["model"], result["method"], result["status"]],
-            config=config,
-            dir=str(out_dir),
-            mode=mode,
-            reinit="finish_previous",
-        )
-        run.summary.update(summary_of(result))
-        run.finish(exit_code=0 if result["status"] != "failed" else 1)
-    except Exception as err:  # noqa: BLE001 - tracking must not lose a finished result
-        log.warning("W&B logging failed (%s); result.json is unaffected", err)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        spec = run_spec(result, wandb_cfg, Path(out_dir))
+        run = start_run(spec, mode, float(wandb_cfg.get("init_timeout") or INIT_TIMEOUT_S))
+        log.info("W&B run %s (%s, group %s) in %s", run.run_id, mode, spec["group"], out_dir)
+        return _Tracked(run)
+    except Exception as err:  # noqa: BLE001 - tracking must not fail the job
+        log.warning("W&B run not started (%s); the job runs untracked, result.json is unaffected", err)
+        return Tracker()
