@@ -11,6 +11,7 @@ from analysis.load import NoResultsError
 
 EXIT_USAGE = 2
 EXIT_NO_RESULTS = 1
+EXIT_WANDB = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "have: longbench_avg, else longqa_squad_f1, the offline stand-in, "
                              "else RULER; e.g. longbench_qasper)")
 
+    tracked = argparse.ArgumentParser(add_help=False)
+    tracked.add_argument("--wandb-log", nargs="?", const="offline", default=None,
+                         choices=["offline", "online"], metavar="MODE",
+                         help="also log the table and figures as one W&B run in the sweep's group "
+                              "(offline by default, into RUNS_DIR/wandb; online uploads)")
+    tracked.add_argument("--wandb-group", metavar="NAME",
+                         help="the W&B group of that run (default: RUNS_DIR's name, the group of "
+                              "the sweep's jobs)")
+
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -35,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--format", choices=["md", "latex", "csv"], default="md")
         p.add_argument("--out", metavar="FILE", help="write the table here instead of stdout")
 
-    main = sub.add_parser("main-table", parents=[common], help="the main table (mean ± std)")
+    main = sub.add_parser("main-table", parents=[common, tracked], help="the main table (mean ± std)")
     table_options(main)
     main.add_argument("--ppl-datasets", default=None, metavar="A,B,C",
                       help="PPL datasets averaged (default: those every run with PPL reports, "
@@ -43,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     main.add_argument("--ppl-partial", action="store_true",
                       help="average the datasets a run has when some are missing (marked *)")
 
-    abl = sub.add_parser("ablation", parents=[common], help="the ablation table")
+    abl = sub.add_parser("ablation", parents=[common, tracked], help="the ablation table")
     table_options(abl)
     abl.add_argument("--ppl-dataset", default=None, metavar="NAME",
                      help="PPL dataset of the PPL column (default: the first of wikitext2, ptb, "
@@ -52,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="add the allocation, calibration and layer-sensitivity wall times "
                           "(timings.*_s; e.g. experiment=cobra_plus_ablation)")
 
-    ruler = sub.add_parser("ruler", parents=[source],
+    ruler = sub.add_parser("ruler", parents=[source, tracked],
                            help="RULER task by task: scores per task and length, protocol, "
                                 "measured bpd_KV, wall time, prompt lengths")
     table_options(ruler)
@@ -72,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--ppl-partial", action="store_true",
                       help="average the datasets a run has when some are missing")
 
-    front = sub.add_parser("frontier", parents=[common],
+    front = sub.add_parser("frontier", parents=[common, tracked],
                            help="the rate-distortion frontier: eviction, codecs, compositions "
                                 "against measured bpd_KV, the Pareto front (Markdown + PNG)")
     front.add_argument("--metric", action="append", default=None, metavar="METRIC",
@@ -115,6 +125,39 @@ def emit(text: str, out: str | None) -> None:
         sys.stdout.write(text)
 
 
+def wandb_log(args: argparse.Namespace, frame, table=None, text: str | None = None,
+              figures: list | None = None) -> int:
+    """``--wandb-log``: the command's table, Markdown and figures into one W&B run (offline by
+    default); a W&B failure is reported, the table is already written."""
+    if not getattr(args, "wandb_log", None):
+        return 0
+    from analysis.render import render
+    from analysis.wandb_log import log_analysis
+    try:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="kvbench-analysis-") as tmp:
+            if figures is None:  # the tables' figure: metric against measured bpd, per model
+                figures = rate_distortion_figures(frame, tmp)
+            run_dir = log_analysis(args.command, args.runs_dir, frame, table=table,
+                                   text=text if text is not None else render(table, "md"),
+                                   figures=figures, mode=args.wandb_log, group=args.wandb_group)
+    except Exception as exc:  # noqa: BLE001 - W&B's errors differ by version and transport
+        print(f"error: --wandb-log: W&B logging failed: {exc}", file=sys.stderr)
+        return EXIT_WANDB
+    print(f"wrote W&B run {run_dir}", file=sys.stderr)
+    return 0
+
+
+def rate_distortion_figures(frame, out_dir: str) -> list:
+    """The plot command's PNGs (its defaults) into ``out_dir``; none when nothing is drawable."""
+    from analysis.plot import plot_rate_distortion
+    try:
+        return plot_rate_distortion(frame, None, out_dir)
+    except (NoResultsError, ValueError) as exc:
+        print(f"note: no rate-distortion figure for W&B: {exc}", file=sys.stderr)
+        return []
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Execute the parsed command; return the exit code."""
     frame = load_frame(args, parser)
@@ -123,15 +166,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         datasets = None if args.ppl_datasets is None else parse_datasets(args.ppl_datasets)
         if datasets == []:
             parser.error("--ppl-datasets is empty")
-        write_table(main_table(frame, datasets, args.ppl_partial, args.longbench_metric,
-                               args.experiment), args)
+        table = main_table(frame, datasets, args.ppl_partial, args.longbench_metric, args.experiment)
+        write_table(table, args)
+        return wandb_log(args, frame, table)
     elif args.command == "ablation":
         from analysis.tables import ablation_table
-        write_table(ablation_table(frame, args.ppl_dataset, args.longbench_metric,
-                                   args.experiment, times=args.times), args)
+        table = ablation_table(frame, args.ppl_dataset, args.longbench_metric, args.experiment,
+                               times=args.times)
+        write_table(table, args)
+        return wandb_log(args, frame, table)
     elif args.command == "ruler":
         from analysis.ruler_table import ruler_table
-        write_table(ruler_table(frame, args.experiment), args)
+        table = ruler_table(frame, args.experiment)
+        write_table(table, args)
+        return wandb_log(args, frame, table, figures=[])
     elif args.command == "frontier":
         from analysis.frontier import frontier_report
         if args.experiment:
@@ -142,6 +190,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
         emit(text, args.out)
+        return wandb_log(args, frame, text=text, figures=list(written))
     else:
         from analysis.plot import plot_rate_distortion
         if args.experiment:

@@ -12,6 +12,11 @@ Missing ``model``/``method``/``seed`` come from the config (``model.name`` or ``
 missing target budgets from ``config.bpd``/``config.v_bpd``. A run without a ``status`` counts
 as ``failed`` when W&B marks it failed/crashed/killed and ``ok`` when finished; running runs are
 skipped.
+
+A run that kvbench writes (kvbench/store/wandb_keys.py) keeps numbers only in its summary: its
+status, error and labels (``metrics/zeroshot/metric/piqa = acc_norm``, ``counts/ppl_track``...)
+are in the config under ``kvbench``, and its scores are in percent (``kvbench.units.score``), so
+zero-shot accuracy is divided by 100 again: the record is the result.json one.
 """
 
 from __future__ import annotations
@@ -62,6 +67,36 @@ def summary_dict(run: Any) -> dict[str, Any]:
     return dict(json_dict) if isinstance(json_dict, dict) else dict(summary)
 
 
+#: the result groups whose scores result.json keeps as fractions (W&B: percent)
+FRACTION_GROUPS = ("zeroshot",)
+
+
+def merge(tree: dict, other: dict) -> dict:
+    """``other``'s leaves added into ``tree`` (in place), nested dicts merged."""
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            merge(tree[key], value)
+        else:
+            tree[key] = value
+    return tree
+
+
+def from_percent(metrics: dict) -> None:
+    """Zero-shot scores in percent back to lm-eval's fractions (counts and times unchanged)."""
+    for group in FRACTION_GROUPS:
+        values = metrics.get(group)
+        if not isinstance(values, dict):
+            continue
+        for key, value in list(values.items()):
+            if key == "counts" or key.endswith("_s"):
+                continue
+            if isinstance(value, dict):
+                values[key] = {k: v / 100.0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                               for k, v in value.items()}
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[key] = value / 100.0
+
+
 def run_to_record(run: Any) -> dict[str, Any] | None:
     """One W&B run -> a result record (same schema as result.json), or None for a running run."""
     config = unflatten(dict(getattr(run, "config", {}) or {}), ".")
@@ -70,6 +105,13 @@ def run_to_record(run: Any) -> dict[str, Any] | None:
         record = dict(summary["result"])
         record.setdefault("config", config)
         return record
+    kvbench = config.get("kvbench") if isinstance(config.get("kvbench"), dict) else {}
+    merge(summary, unflatten(dict(kvbench.get("labels") or {}), "/"))
+    for key in ("status", "error", "unsupported_tasks"):
+        if summary.get(key) is None and kvbench.get(key) is not None:
+            summary[key] = kvbench[key]
+    if (kvbench.get("units") or {}).get("score") == "percent" and isinstance(summary.get("metrics"), dict):
+        from_percent(summary["metrics"])
     state = getattr(run, "state", None)
     status = summary.get("status")
     if status is None:
@@ -91,6 +133,7 @@ def run_to_record(run: Any) -> dict[str, Any] | None:
         "bpd": bpd,
         "metrics": metrics,
         "timings": summary.get("timings") or {},
+        "counts": summary.get("counts") or {},
         "unsupported_tasks": summary.get("unsupported_tasks") or {},
         "config": config,
         "versions": summary.get("versions") or {},
