@@ -4,7 +4,8 @@ so that the dashboard has the paper table beside the sweep's runs (docs/sweeps.m
 The run: project and entity those of the runs (their ``config.wandb.project``/``entity``, the
 most common; else ``kvbench``), group ``--wandb-group`` or the runs directory's name (a sweep's
 jobs are grouped by their sweep directory's name, kvbench/store/wandb_keys.py), job type
-``analysis``, name ``analysis/<command>``, a fresh id each time. It holds the table as a
+``analysis`` (``--wandb`` skips such runs when it reads a project back), name
+``analysis/<command>``, a fresh id each time. It holds the table as a
 ``wandb.Table`` under ``analysis/<command>`` (the cells' text, and the mean of each mean ± std
 column as a number), the figures as images under ``figures/<file name>``, and an artifact with the
 Markdown and the PNGs. Offline by default (``--wandb-log online`` uploads at once); the offline run
@@ -19,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 import pandas as pd
+
+from analysis.wandb_source import ANALYSIS_JOB_TYPE
 
 MODES = ("offline", "online")
 
@@ -65,7 +68,7 @@ def log_analysis(command: str, runs_dir: str | None, frame: pd.DataFrame, *, tab
     run = wandb.init(
         project=_common(frame, "config.wandb.project") or "kvbench",
         entity=_common(frame, "config.wandb.entity"),
-        group=group, job_type="analysis", name=f"analysis/{command}", dir=str(where), mode=mode,
+        group=group, job_type=ANALYSIS_JOB_TYPE, name=f"analysis/{command}", dir=str(where), mode=mode,
         config={"command": command, "runs_dir": str(where.resolve()), "runs": int(len(frame)),
                 "argv": sys.argv[1:]},
         settings=wandb.Settings(silent=True, init_timeout=20.0), reinit="finish_previous",

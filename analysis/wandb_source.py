@@ -67,6 +67,8 @@ def summary_dict(run: Any) -> dict[str, Any]:
     return dict(json_dict) if isinstance(json_dict, dict) else dict(summary)
 
 
+#: the job type of the runs ``--wandb-log`` writes (analysis/wandb_log.py): skipped when reading
+ANALYSIS_JOB_TYPE = "analysis"
 #: the result groups whose scores result.json keeps as fractions (W&B: percent)
 FRACTION_GROUPS = ("zeroshot",)
 
@@ -144,6 +146,8 @@ def runs_to_frame(runs: Iterable[Any], project: str) -> pd.DataFrame:
     """Convert W&B runs into the runs DataFrame; unusable runs are skipped with a warning."""
     records = []
     for run in runs:
+        if getattr(run, "job_type", None) == ANALYSIS_JOB_TYPE:  # a table, not a job (--wandb-log)
+            continue
         source = f"wandb:{project}/{getattr(run, 'id', '?')}"
         record = run_to_record(run)
         if record is None:

@@ -68,3 +68,18 @@ def test_analysis_reads_a_kvbench_run_back():
     assert z["piqa"] == pytest.approx(0.75) and z["acc"]["piqa"] == pytest.approx(0.7)
     assert z["counts"]["piqa"] == 20 and z["metric"]["piqa"] == "acc_norm"
     assert record["metrics"]["longqa_squad"]["f1"] == 12.5 and record["counts"]["ppl_track"] == "A"
+    assert (record["model"], record["method"], record["seed"]) == ("llama3_8b", "cobra_kl", 2)  # from the config
+
+
+def test_reading_a_project_back_skips_the_analysis_runs(capsys):
+    from analysis.wandb_source import runs_to_frame
+    from kvbench.store import wandb_keys as keys
+    from test_wandb_keys import _result
+
+    r = _result()
+    job = SimpleNamespace(id="j", state="finished", job_type="cobra_kl", summary_metrics=keys.summary_of(r),
+                          config={**r["config"], "kvbench": {"units": dict(keys.UNITS), **keys.final_config(r)}})
+    table = SimpleNamespace(id="t", state="finished", job_type="analysis", config={"command": "main-table"},
+                            summary_metrics={})
+    frame = runs_to_frame([job, table], "ent/proj")
+    assert list(frame["source"]) == ["wandb:ent/proj/j"] and "skipping" not in capsys.readouterr().err

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -96,6 +97,18 @@ def test_offline_run_holds_history_tables_artifact_figure(tmp_path, tiny_checkpo
     assert s["bpd/measured_kv"] == pytest.approx((1.0 + 16.0) / 2)
     numbers = {k: v for k, v in s.items() if k.split("/")[0] in ("metrics", "bpd", "timings", "counts")}
     assert numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers.values())
+
+    # analysis --wandb reads the run back as the result.json record (zero-shot as fractions again)
+    from analysis.wandb_source import run_to_record
+
+    back = run_to_record(SimpleNamespace(id=run.run_id, state="finished", config=config, summary_metrics=s))
+    on_disk = json.loads((job / "result.json").read_text())
+    assert (back["status"], back["model"], back["method"], back["seed"]) == ("ok", "smollm2_135m", "cobra_kl", 0)
+    for group in ("ppl", "zeroshot", "longqa_squad"):
+        for key, value in on_disk["metrics"][group].items():
+            if isinstance(value, float):
+                assert back["metrics"][group][key] == pytest.approx(value, rel=1e-12), (group, key)
+    assert back["metrics"]["zeroshot"]["metric"] == on_disk["metrics"]["zeroshot"]["metric"]
 
     [exit_record] = _by_type(recs, "exit")
     assert exit_record.exit.exit_code == 0

@@ -25,7 +25,8 @@ def _result(**extra):
                         "longqa_squad": {"f1": 12.5, "n": 2, "item_seed": 0, "item_ids": ["a", "b"],
                                          "chat": True, "protocol": "query_aware", "eval_s": 1.0}},
             "counts": {"ppl_windows": {"wikitext2": 2}, "ppl_track": "A", "longqa_squad_items": 2},
-            "timings": {"total_s": 1.0}, "config": {"experiment": "ablation", "bpd": 1.0, "v_bpd": 4.0},
+            "timings": {"total_s": 1.0}, "config": {"experiment": "ablation", "bpd": 1.0, "v_bpd": 4.0, "seed": 2,
+                                               "model": {"name": "llama3_8b"}, "method": {"name": "cobra_kl"}},
             "versions": {"git_commit": "abcdef0123456789"}, **extra}
 
 
