@@ -8,7 +8,8 @@
   (not LongBench): :mod:`.longbench`, :mod:`.longqa_squad`.
 * ``ruler`` — RULER through lm-eval's own tasks (§9.4): :mod:`.ruler`.
 
-Query-aware and query-agnostic generation (§9.5) share :mod:`.query_protocol`.
+Query-aware and query-agnostic generation (§9.5) share :mod:`.query_protocol`; what a task reports
+while it runs (the job's progress callback, each item's bits) is in :mod:`.reporting`.
 """
 
 from . import ppl, zeroshot, longbench, ruler  # noqa: F401, I001 - registers, in this order
