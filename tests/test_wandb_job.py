@@ -157,3 +157,18 @@ def test_killed_job_keeps_the_progress_it_logged(tmp_path, tiny_checkpoint):
     assert len(after) >= len(seen) and [r["ppl/ptb/step"] for r in after] == list(range(1, len(after) + 1))
     assert after[-1]["ppl/ptb/ppl"] > 1
     assert "exit" not in kinds(recs)  # no exit record: W&B shows the run as crashed
+
+
+def test_interrupted_job_ends_its_run_as_failed_and_writes_no_result(tmp_path, tiny_checkpoint, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while the model loads: no result.json, the run closed as failed."""
+    import kvbench.job
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvbench.job, "load_once", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, tiny_checkpoint, "method=fp16", "bpd=null", "tasks=[ppl]")
+    assert not (tmp_path / "result.json").exists()
+    [exit_record] = _by_type(records(run_file(tmp_path)), "exit")
+    assert exit_record.exit.exit_code == 1
