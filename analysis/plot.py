@@ -17,6 +17,7 @@ Decisions where docs/methods.md is silent:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
@@ -133,11 +134,26 @@ def rate_distortion_points(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") 
     return pd.DataFrame(rows, columns=["model", "method", "label", "x", "y", "yerr", "n", "target"])
 
 
+def ran_task(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The runs whose job ran the metric's task (``config.tasks``; runs without it are kept). A job
+    fits its budget to one regime, so a sweep that scores two regimes (the frontier's PPL track B
+    and RULER) runs each task as its own job of the same variant and seed: per metric, only one of
+    them is that run."""
+    if "config.tasks" not in frame.columns or frame.empty:
+        return frame
+    task = {"ruler_wiki": "ruler"}.get(bpd_task_of(metric), bpd_task_of(metric))
+
+    def ran(tasks) -> bool:
+        return not isinstance(tasks, str) or task in json.loads(tasks)
+
+    return frame[frame["config.tasks"].map(ran)]
+
+
 def labelled_runs(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") -> pd.DataFrame:
     """The main (non-ablation) runs, one per (variant, seed), with ``_x`` (the measured bpd of
     the metric's task) and ``label`` (:func:`line_label`; the options that tell a method's
     variants apart are taken over all its runs, whatever their status)."""
-    frame, _ = select_main(add_variants(frame))
+    frame, _ = select_main(add_variants(ran_task(frame, metric)))
     frame = drop_duplicate_seeds(frame)
     if frame.empty:
         return frame.assign(_x=pd.Series(dtype=float), label=pd.Series(dtype=object))

@@ -103,13 +103,16 @@ def job_regime(job: JobConfig) -> Regime:
     for methods whose cost depends on the position (fp16 buffers, per-sequence bases, eviction):
     PPL's track when PPL runs (A: Q-all over seqlen positions; B: a ``context``-token prefill whose
     own prediction is the first of the seqlen - context targets, the others decoded),
-    else a 2048-token prefill with 32 decoded positions (LongBench / RULER: prompt lengths vary per
-    item), else Q-all over 2048. Other tasks report their own measured bpd beside it."""
+    else a prefill with 32 decoded positions (LongBench: 2048 tokens, prompt lengths vary per item;
+    RULER alone: its longest length), else Q-all over 2048. Other tasks report their own measured
+    bpd beside it."""
     if "ppl" in job.tasks:
         p = job.task.ppl
         if p.track == "B":
             return Regime("prefill", int(p.context), int(p.seqlen) - int(p.context) - 1)
         return Regime("qall", int(p.seqlen))
+    if "ruler" in job.tasks and "longbench" not in job.tasks and job.task.get("ruler", {}).get("lengths"):
+        return Regime("prefill", max(int(n) for n in job.task.ruler.lengths), 32)
     if "longbench" in job.tasks or "ruler" in job.tasks:
         return Regime("prefill", 2048, 32)
     return Regime("qall", 2048)

@@ -140,3 +140,27 @@ def test_every_point_is_either_on_the_front_or_beaten_by_a_front_member(tmp_path
     front = comp[comp["front"]]
     for r, f in itertools.product(comp[~comp["front"]].itertuples(), [front]):
         assert ((f["x"] <= r.x) & (f["y"] <= r.y)).any()
+
+
+def test_a_task_run_as_its_own_job_is_not_a_duplicate_of_the_other_task(tmp_path):
+    """The frontier runs PPL track B and RULER as two jobs of one (method, budget, seed), each
+    fitted to its own regime: the PPL cell comes from the PPL job (its measured bpd, its PPL),
+    whatever the RULER job of the same variant and seed reports, and neither is dropped as a
+    duplicate seed."""
+    import json
+
+    root = tmp_path / "runs"
+    write_run(root, "fp16", model="smollm2_135m", method="fp16", k=16.0, v=16.0, ppl={"ptb": 55.0},
+              experiment="frontier")
+    ppl_job = write_run(root, "h2o_ppl", model="smollm2_135m", method="h2o", k=1.0, v=1.0,
+                        ppl={"ptb": 100.0}, experiment="frontier")
+    ruler_job = write_run(root, "h2o_ruler", model="smollm2_135m", method="h2o", k=1.0, v=1.0,
+                          experiment="frontier")
+    for path, tasks, measured in ((ppl_job, ["ppl"], 0.99), (ruler_job, ["ruler"], 1.3)):
+        rec = json.loads(path.read_text())
+        rec["config"]["tasks"] = tasks
+        rec["bpd"]["measured_k"] = rec["bpd"]["measured_v"] = measured
+        path.write_text(json.dumps(rec))
+    text, _ = frontier_report(load_runs_dir(root), ["ppl_ptb"], None)
+    h2o_line = next(line for line in text.splitlines() if line.startswith("| H2O"))
+    assert "**100.00 @ 0.99** ◆" in h2o_line and "†" not in h2o_line

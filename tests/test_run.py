@@ -126,3 +126,21 @@ def test_heldout_windows_avoid_the_calibration_windows():
     held = heldout_windows(ids, 8, 100, seed=1, avoid=avoid)
     for w in held:
         assert all(abs(int(w[0]) - a) >= 100 for a in avoid)
+
+
+@pytest.mark.parametrize("overrides,regime", [
+    (["tasks=[ppl]", "task.ppl.track=B", "task.ppl.context=1536", "task.ppl.seqlen=2048"], ("prefill", 1536, 511)),
+    (["tasks=[ppl,ruler]", "task.ppl.track=A", "task.ppl.seqlen=2048"], ("qall", 2048, 0)),
+    (["tasks=[ruler]", "task.ruler.lengths=[4096,8192]"], ("prefill", 8192, 32)),
+    (["tasks=[longbench,ruler]"], ("prefill", 2048, 32)),
+    (["tasks=[zeroshot]"], ("qall", 2048, 0)),
+])
+def test_job_regime_is_that_of_the_first_scored_task(overrides, regime):
+    """The regime a job's budget is fitted to: PPL's track when PPL runs, RULER alone its longest
+    length (a frontier's RULER half is its own job), LongBench a 2048-token prefill."""
+    from kvbench.config import JobConfig, job_regime
+
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose("config", ["task=embedded", *overrides])
+    r = job_regime(JobConfig.read(cfg))
+    assert (r.kind, r.tokens, r.decode) == regime
