@@ -208,11 +208,12 @@ class H2O(KVMethod):
         }
 
     def allocation(self):
-        """``kept``: the kept fraction ρ = heavy_ratio + recent_ratio of every KV head [L, H_kv]
-        (H2O keeps as many tokens in every head: the map is uniform by construction)."""
+        """``kept``: the kept fraction of every KV head [L, H_kv], ρ = heavy_ratio + recent_ratio (a
+        Q-all state's fitted ``rho_qall``; H2O keeps as many tokens in every head: the map is uniform
+        by construction)."""
         if getattr(self, "_shape", None) is None:
             return {}
-        kept = float(sum(self._ratios))
+        kept = float(sum(self._ratios)) * getattr(self, "_qall_scale", 1.0)
         return {"kept": torch.full((self._shape.n_layers, self._shape.n_kv_heads), kept, dtype=torch.float64)}
 
     def nominal_bpd(self, n_tokens):
