@@ -155,3 +155,25 @@ def test_offline_tracker_writes_a_run_and_never_fails(tmp_path):
     tracker.finish(r, {"longqa_squad": "not records"}, [tmp_path / "missing.png"], tmp_path / "job")
     recs = records(run_file(tmp_path / "job"))  # a bad figure is logged and the run still closes
     assert kinds(recs)["exit"] == 1 and kinds(recs)["history"] >= 1
+
+
+def test_an_older_wandb_sdk_gets_settings_and_reinit_it_understands():
+    """GPU images may carry an older wandb: a Settings without the flush-interval field, and a
+    ``reinit`` that is a bool before 0.19.10."""
+    from kvbench.store.wandb_run import _reinit, _settings
+
+    class OldSettings:
+        def __init__(self, **kwargs):
+            if "x_transaction_log_flush_interval" in kwargs:
+                raise ValueError("extra fields not permitted")
+            self.kwargs = kwargs
+
+    class Old:
+        __version__ = "0.17.5"
+        Settings = OldSettings
+
+    class New:
+        __version__ = "0.31.0"
+
+    assert _settings(Old, 5).kwargs == {"init_timeout": 5.0, "silent": True}
+    assert _reinit(Old) is True and _reinit(New) == "finish_previous"

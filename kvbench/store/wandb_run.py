@@ -32,8 +32,22 @@ ID_REFUSED = re.compile(r"delet|conflict|already exists|409|not allowed to resum
 
 
 def _settings(wandb, timeout: float):
-    return wandb.Settings(init_timeout=float(timeout), x_transaction_log_flush_interval=FLUSH_S,
-                          silent=True)
+    """The run's settings; an SDK without the flush-interval setting keeps its own default."""
+    try:
+        return wandb.Settings(init_timeout=float(timeout), x_transaction_log_flush_interval=FLUSH_S,
+                              silent=True)
+    except Exception:  # noqa: BLE001 - an older SDK rejects the unknown setting
+        return wandb.Settings(init_timeout=float(timeout), silent=True)
+
+
+def _reinit(wandb):
+    """``reinit`` that finishes a previous run of the process: ``"finish_previous"`` from wandb
+    0.19.10 on, ``True`` before (GPU images may carry an older SDK)."""
+    try:
+        version = tuple(int(x) for x in re.findall(r"\d+", wandb.__version__)[:3])
+    except Exception:  # noqa: BLE001
+        return "finish_previous"
+    return "finish_previous" if version >= (0, 19, 10) else True
 
 
 def open_run(wandb, spec: dict, mode: str, timeout: float):
@@ -41,7 +55,7 @@ def open_run(wandb, spec: dict, mode: str, timeout: float):
     id, and an init that still fails (no network, a timeout, no login) is opened offline."""
     def init(run_mode: str, run_id: str | None):
         return wandb.init(**{**spec, "id": run_id}, mode=run_mode, resume="allow",
-                          reinit="finish_previous", settings=_settings(wandb, timeout))
+                          reinit=_reinit(wandb), settings=_settings(wandb, timeout))
 
     try:
         return init(mode, spec.get("id"))
