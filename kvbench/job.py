@@ -39,7 +39,7 @@ from .store.identity import is_done, job_id
 from .store.results import RESULT_FILE, has_nonfinite, new_result, read_result, write_result
 from .store.summary import print_summary
 from .store.tracking import Tracker, start_tracking
-from .tasks import run_tasks
+from .tasks import check_tasks, run_tasks
 
 log = logging.getLogger("kvbench")
 
@@ -65,6 +65,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     t_start = time.perf_counter()
     try:
         torch.manual_seed(job.seed)
+        check_tasks(job.tasks)  # a wrong name fails now, not after loading and calibrating
         method = build_method(job.method, **job.options)
         spec = with_sample(CalibrationSpec(**job.calibration()), method)  # checked before loading
         bud = budget(job, method)

@@ -144,3 +144,17 @@ def test_job_regime_is_that_of_the_first_scored_task(overrides, regime):
         cfg = compose("config", ["task=embedded", *overrides])
     r = job_regime(JobConfig.read(cfg))
     assert (r.kind, r.tokens, r.decode) == regime
+
+
+def test_unknown_task_fails_before_the_model_loads(tmp_path, tiny_checkpoint, monkeypatch):
+    """A wrong ``tasks=`` name is a failed result naming the valid tasks, without loading the
+    model or calibrating (which would take minutes on a real model)."""
+    import kvbench.job
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvbench.job, "load_once", no_load)
+    r = _job(tmp_path, tiny_checkpoint, "tasks=[ppl,longqa_squad]")
+    assert r["status"] == "failed"
+    assert "unknown task(s) ['longqa_squad']; valid choices: ppl, zeroshot, longbench, ruler" in r["error"]

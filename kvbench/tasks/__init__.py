@@ -13,4 +13,4 @@ while it runs (the job's progress callback, each item's bits) is in :mod:`.repor
 """
 
 from . import ppl, zeroshot, longbench, ruler  # noqa: F401, I001 - registers, in this order
-from .registry import TASKS, headline_bpd, register_task, run_tasks  # noqa: F401
+from .registry import TASKS, check_tasks, headline_bpd, register_task, run_tasks  # noqa: F401

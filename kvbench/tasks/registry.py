@@ -41,11 +41,17 @@ def task_limit(job, section) -> int | None:
     return job.limit if job.limit is not None else section.get("limit")
 
 
-def run_tasks(job, lm, result: dict, progress: Progress = no_progress) -> None:
-    """Run every task of ``job.tasks``; a task the method cannot do is listed, not fatal."""
-    unknown = [t for t in job.tasks if t not in TASKS]
+def check_tasks(names) -> None:
+    """A ``ValueError`` naming the valid choices when a name in ``names`` is no registered task
+    (the job checks before it loads anything)."""
+    unknown = [t for t in names if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; valid choices: {', '.join(TASKS)}")
+
+
+def run_tasks(job, lm, result: dict, progress: Progress = no_progress) -> None:
+    """Run every task of ``job.tasks``; a task the method cannot do is listed, not fatal."""
+    check_tasks(job.tasks)
     by_task = result["bpd"].setdefault("by_task", {})
     for done, task in enumerate(job.tasks, 1):
         mark, t0 = len(lm.readings), time.perf_counter()
