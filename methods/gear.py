@@ -492,6 +492,7 @@ def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, 
     for nb in block_grid():
         keys = _side_points("k", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
         vals = _side_points("v", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
+        # only pairs near the band go to best_pair: up to 288 x 288 per n_b otherwise
         lo, hi = 2 * target_kv * (1 - AT_TARGET) - _EPS, 2 * target_kv * (1 + AT_TARGET) + _EPS
         pairs += [((k, nb), (v, nb)) for k in keys for v in vals if lo <= k[0] + v[0] <= hi]
     best = best_pair(pairs, lambda p: p[0][0], target_kv, AT_TARGET, lambda kp, vp: (kp[0][1], vp[0][1]))

@@ -662,10 +662,10 @@ class KVQuant(KVMethod):
         target_kv = (sides["k"][0] + sides["v"][0]) / 2 if joint else None
         for sink in sinks:
             if joint:
-                fit = self._fit_joint(target_kv, n, sink) or {"k": None}
+                fit = self._fit_joint(target_kv, n, sink)
             else:
                 fit = {s: self._fit_side(s, target, bits, n, sink) for s, (target, bits) in sides.items()}
-            if all(v is not None for v in fit.values()):
+            if fit is not None and all(v is not None for v in fit.values()):
                 break
         else:
             if joint:

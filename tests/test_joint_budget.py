@@ -7,7 +7,7 @@ from methods import Unsupported
 from methods.base import ModelShape, Regime
 from methods.gear import Gear
 from methods.joint_budget import best_pair
-from methods.kivi import Kivi, side_points
+from methods.kivi import Kivi, residual_grid, side_points
 from methods.kvquant import KVQuant
 
 SMOL = ModelShape(30, 9, 3, 64)
@@ -54,7 +54,7 @@ def test_kivi_joint_meets_the_mean_where_the_sides_alone_cannot(shape, regime, b
     mk, mv = _measure(m, regime, d=shape.head_dim)
     assert (mk, mv) == (pytest.approx(pk, abs=1e-9), pytest.approx(pv, abs=1e-9))
     # the most balanced admissible pair at any shared R
-    best = min(abs(k[0] - v[0]) for r in range(32, 129, 32)
+    best = min(abs(k[0] - v[0]) for r in residual_grid()
                for k in side_points("k", regime, shape.head_dim, r) for v in side_points("v", regime, shape.head_dim, r)
                if abs((k[0] + v[0]) / 2 - bpd) <= 0.02 * bpd + 1e-9)
     assert abs(pk - pv) == pytest.approx(best, abs=1e-9)

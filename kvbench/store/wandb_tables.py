@@ -8,7 +8,7 @@ percent (:data:`kvbench.store.wandb_keys.UNITS`).
 
 from __future__ import annotations
 
-from .wandb_keys import FRACTION_GROUPS, is_number
+from .wandb_keys import is_number, wandb_value
 
 JOB_COLUMNS = ["model", "method", "target_bpd_k", "target_bpd_v", "seed"]
 METRIC_COLUMNS = [*JOB_COLUMNS, "task", "name", "metric", "value", "unit", "n", "bpd_k", "bpd_v"]
@@ -22,10 +22,6 @@ def job_cells(result: dict) -> list:
     b = result.get("bpd") or {}
     return [result.get("model"), result.get("method"), b.get("target_k"), b.get("target_v"),
             result.get("seed")]
-
-
-def _scale(group: str, value):
-    return 100.0 * value if group in FRACTION_GROUPS and is_number(value) else value
 
 
 def _count(counts, name):
@@ -45,8 +41,8 @@ def _group_rows(group: str, values: dict, result: dict) -> list[tuple]:
                 if is_number(v)]
     if group == "zeroshot":
         metric, n = values.get("metric") or {}, values.get("counts") or {}
-        return [(name, metric.get(name, "avg of headline metrics"), _scale(group, v), "percent",
-                 n.get(name)) for name, v in values.items() if is_number(v) and name not in NOT_SCORES]
+        return [(name, metric.get(name, "avg of headline metrics"), wandb_value(f"metrics/{group}/{name}", v),
+                 "percent", n.get(name)) for name, v in values.items() if is_number(v) and name not in NOT_SCORES]
     if group.startswith("ruler"):
         n = values.get("counts") or {}
         rows = [(name, "string match", v, "percent", _count(n, name))
