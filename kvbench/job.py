@@ -27,6 +27,7 @@ from methods import Unsupported, build_method
 from .config import Budget, JobConfig, budget, job_regime, redundant_seed
 from .context import JobContext, no_progress
 from .fit.budget_share import choose_budget_share
+from .fit.measured_keep import needs_refit, refit_kept
 from .fit.cobra_plus_select import select_for_job
 from .fit.kv_split import choose_kv_split
 from .fit.layer_sensitivity import measure_for
@@ -117,8 +118,8 @@ def figures(tracker: Tracker, method, result: dict, out_dir: Path) -> list[Path]
 def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_dir: Path):
     """Statistics, then every free parameter in the order each depends on the previous: the K/V
     split (``v_bpd=auto``), cobra_plus's switches (``select``), compose's budget share, the
-    configuration at the budget, the layer sensitivity, the method's own calibration. Returns the
-    method, configured and calibrated."""
+    configuration at the budget, the layer sensitivity, the method's own calibration, compose's kept
+    fraction refitted to the measured figure. Returns the method, configured and calibrated."""
     timings = result["timings"]
     timings["calibrate_s"] = 0.0
     if method.needs_calibration:
@@ -144,6 +145,10 @@ def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_
         t0 = time.perf_counter()
         method.calibrate(ctx.stats, seed=ctx.seed)
         timings["allocate_s"] = time.perf_counter() - t0
+    if bpd_k is not None and needs_refit(method):  # compose's kept fraction to the measured figure
+        refit = refit_kept(ctx, method, job.options, bpd_k, bpd_v)
+        timings["measured_fit_s"] = 0.0 if refit["cache_hit"] else refit["seconds"]
+        result["measured_fit"] = refit
     return method
 
 

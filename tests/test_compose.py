@@ -704,3 +704,70 @@ def test_snapkv_evict_drops_the_codes_of_evicted_tokens(model_and_stats):
         n = st.n_kept
         assert n < c0 + T - 50 and st._encoded == c0 + T - 50  # every token encoded on arrival
         assert st.stored_bits() == (round(n * ck) + st.position_bits(), round(n * cv))
+
+
+# ------------------------------------------------------------------------------------------------
+# the job: the kept fraction refitted to the measured figure (kvbench/fit/measured_keep.py)
+
+
+def test_only_kivi_under_decode_eviction_has_an_inexact_prediction():
+    cases = [("h2o", "cobra_kl", "keep", True), ("snapkv", "kivi", "keep", True), ("h2o", "fp16", "keep", True),
+             ("snapkv", "cobra_kl", "evict", True), ("h2o", "kivi", "keep", False),
+             ("snapkv", "kivi", "evict", False)]
+    for evict, codec, decode, exact in cases:
+        ev = {"decode": decode} if evict == "snapkv" else None
+        comp = build_method("compose", evict=evict, codec=codec, evict_options=ev)
+        assert comp.prediction_exact is exact, (evict, codec, decode)
+
+
+def test_the_refit_converges_on_a_biased_measurement(model_and_stats, monkeypatch):
+    """A measurement that reads 0.85x the prediction, plus a constant: the refit moves rho until the
+    measured figure is within TOL of the target, and keeps the codec's budgets."""
+    from kvbench.fit import measured_keep as MK
+
+    model, stats = model_and_stats
+    comp = _method(model, stats, "compose", 4.0, regime=Regime("prefill", 960, 240), codec="kivi",
+                   codec_options={"group": 16, "v_group": 16, "residual": 16})
+    codec = comp.knobs()["codec_knobs"]
+
+    def fake(ctx, method, windows):
+        k, v = method.predicted_bpd()
+        return 0.85 * k + 0.05, 0.85 * v + 0.05
+
+    class Ctx:
+        tokenizer = spec = None
+    monkeypatch.setattr(MK, "measured_kv", fake)
+    monkeypatch.setattr(MK, "measurement_windows", lambda *a: torch.zeros(2, 64, dtype=torch.long))
+    out = MK._search(Ctx(), comp, 4.0, None)
+    assert abs(out["measured_kv"] - 4.0) <= MK.TOL * 4.0 and len(out["points"]) <= MK.MAX_MEASUREMENTS
+    assert out["points"][0]["measured_kv"] < 3.6 and out["rho"] > out["points"][0]["rho"]
+    comp.set_kept_fraction(out["rho"])
+    assert sum(fake(None, comp, None)) / 2 == pytest.approx(out["measured_kv"])
+    assert comp.knobs()["codec_knobs"] == codec
+    # 48 prompt tokens: one kept token moves bpd_KV by more than TOL; the refit stops at the two
+    # counts that bracket the target, measures no configuration twice and keeps the nearer one
+    comp = _method(model, stats, "compose", 4.0, regime=Regime("prefill", 48, 15), codec="kivi",
+                   codec_options={"group": 16, "v_group": 16, "residual": 16})
+    out = MK._search(Ctx(), comp, 4.0, None)
+    got = [p["measured_kv"] for p in out["points"]]
+    assert len(set(got)) == len(got) and min(got) < 4.0 < max(got)
+    assert out["measured_kv"] == min(got, key=lambda m: abs(m - 4.0))
+
+
+def test_job_refits_h2o_kivi_to_the_measured_figure(tmp_path, tiny_checkpoint, monkeypatch):
+    """compose(h2o, kivi) in PPL track B: the job measures the headline on calibration-corpus
+    windows and refits rho; the evaluation's figure is nearer the target than the prediction's."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    args = ("method=compose", "method.codec=kivi", "method.split=0.5", "bpd=4", "task.ppl.track=B",
+            "task.ppl.context=48", "method.codec_options={group:16,v_group:16,residual:16}")
+    r = _job(tmp_path / "a", tiny_checkpoint, *args)
+    assert r["status"] == "ok", r["error"]
+    fit, knobs, b = r["measured_fit"], r["knobs"], r["bpd"]
+    assert fit["windows"] == [2, 64] and fit["points"][0]["rho"] == knobs["measured_fit"]["rho_predicted"]
+    assert knobs["rho"] == fit["rho"] and knobs["measured_fit"]["measurements"] == len(fit["points"])
+    first = fit["points"][0]["measured_kv"]
+    assert abs(fit["measured_kv"] - 4.0) <= abs(first - 4.0)
+    measured = (b["measured_k"] + b["measured_v"]) / 2
+    assert measured == pytest.approx(4.0, rel=0.1)
+    again = _job(tmp_path / "b", tiny_checkpoint, *args)
+    assert again["measured_fit"]["cache_hit"] is True and again["knobs"]["rho"] == knobs["rho"]

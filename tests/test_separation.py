@@ -139,6 +139,34 @@ def test_calibration_heldout_and_evaluation_windows_are_disjoint(tokenizer, eval
             assert bool(_in(recurring, span_hashes(w)[shared]).all()), f"seed {seed}: shared, not recurring"
 
 
+@pytest.mark.parametrize("dataset", ["ptb", "wiki_proxy"])
+def test_measurement_windows_overlap_no_calibration_or_selection_window(tokenizer, evaluation_index, dataset):
+    """compose's measured refit (kvbench/fit/measured_keep.py) reads windows of the job's regime
+    length: token ranges of the train split apart from the calibration windows, the selection
+    windows and one another, sharing no evaluation text (but PTB's recurring tables)."""
+    from kvbench.fit import measured_keep as MK
+    from methods import Regime
+
+    seqlen = 1024
+    for regime in (Regime("prefill", 1536, 511), Regime("prefill", 4096, 32), Regime("qall", 2048)):
+        length = MK.window_length(regime)
+        for seed in SEEDS:
+            spec = CalibrationSpec(dataset=dataset, split="train", n_windows=16, seqlen=seqlen, seed=seed)
+            ids = calibration_ids(tokenizer, spec)
+            ranges = [(s, s + seqlen) for s in calibration_starts(ids.numel(), spec)]
+            ranges += [(s, s + seqlen) for s in heldout.heldout_starts(ids.numel(), spec, n=heldout.N_HELDOUT)]
+            meas = MK.measurement_starts(ids.numel(), spec, length)
+            assert len(meas) == MK.N_WINDOWS and all(0 <= s and s + length <= ids.numel() for s in meas)
+            mine = [(s, s + length) for s in meas]
+            assert not any(a < d and c < b for a, b in mine for c, d in ranges)
+            assert not any(a < d and c < b for i, (a, b) in enumerate(mine) for c, d in mine[i + 1:])
+            windows = MK.measurement_windows(tokenizer, spec, regime)
+            assert torch.equal(windows, torch.stack([ids[a:b] for a, b in mine]))
+            for w in windows:
+                shared = evaluation_index.shared(w)
+                assert not shared or dataset in DATASETS_WITH_RECURRING_TEXT, f"seed {seed}: shares evaluation text"
+
+
 def test_the_span_check_sees_shared_text(tokenizer, evaluation_index):
     """Control: windows cut from the evaluation split itself share every span."""
     ids = encode(tokenizer, ptb_text("test"))

@@ -206,6 +206,43 @@ class Compose(KVMethod):
     # ---- prediction ------------------------------------------------------------------------------
 
     @property
+    def prediction_exact(self) -> bool:
+        """Whether :meth:`predicted_bpd` is what the regime measures. False for KIVI under an
+        eviction that evicts while decoding (H2O; SnapKV with decode=evict): which held tokens sit
+        in KIVI's fp16 residual and how many partly evicted key groups keep their metadata depend
+        on the attention, so the harness refits the kept fraction to the measured figure on
+        calibration-corpus windows (``kvbench/fit/measured_keep.py``, :meth:`set_kept_fraction`)."""
+        if self.codec != "kivi":
+            return True
+        return self.evict == "snapkv" and self._evictor.decode == "keep"
+
+    def set_kept_fraction(self, rho: float, record: dict | None = None) -> None:
+        """Set the kept fraction to ``rho`` at the codec's current budgets (a refit of the fitted
+        rho, e.g. to the measured figure); ``record`` (how it was chosen) goes into the knobs."""
+        if self._shape is None or not self._knobs.get("fitted"):
+            raise RuntimeError("compose: set_kept_fraction() refits a fitted rho; configure() first")
+        if not RHO_MIN <= rho <= 1.0:
+            raise ValueError(f"compose: kept fraction must be in [{RHO_MIN:g}, 1], got {rho!r}")
+        self._set_rho(rho)
+        pred = self.predicted_bpd()
+        self._knobs.update(rho=rho, predicted_bpd_k=pred[0], predicted_bpd_v=pred[1],
+                           predicted_bpd_kv=sum(pred) / 2, predicted_positions_bpd_k=self.positions_bpd())
+        if record is not None:
+            self._knobs["measured_fit"] = record
+
+    def rho_for(self, bpd_kv: float) -> float:
+        """The kept fraction whose *predicted* bpd_KV is ``bpd_kv`` at the codec's current budgets
+        (clamped to [RHO_MIN, 1]); the configured rho is left as it was."""
+        before = self._rho
+        try:
+            rho, _ = self._fit_rho(bpd_kv)
+        except Unsupported:
+            rho = RHO_MIN
+        finally:
+            self._set_rho(before)
+        return rho
+
+    @property
     def stores_positions(self) -> bool:
         """Whether the held positions are stored (a pre-RoPE codec, docs/methods.md §12.3)."""
         return self.codec in PRE_ROPE_CODECS
