@@ -7,8 +7,11 @@ measured bpd and fitted knobs are compared with ``tests/golden/records.json``.
 
 On the machine and torch build the records came from (the fingerprint stored beside them) the
 comparison is exact, bit for bit. Elsewhere a float64 reduction may round its last bit differently
-(another BLAS kernel), so numbers are compared to 1e-9 relative there; strings, integers, statuses
-and item ids stay exact everywhere.
+(another BLAS kernel), and a last-bit difference can move a value across a rounding quantizer's
+decision boundary, which a search then carries on: records made on an AVX-512 machine and rerun
+on one with AMX differed by up to 4.4e-4 relative (KQ-SVD's step-multiplier range in a composed
+job; perplexities by up to 2.4e-7). So numbers are compared to :data:`REL_ELSEWHERE` relative
+there; strings, integers, statuses and item ids stay exact everywhere.
 
 Re-record only for an intended change of behaviour, and say why in the commit:
 ``KVBENCH_GOLDEN_RECORD=1 .venv/bin/python -m pytest tests/test_golden.py -n 0``.
@@ -30,7 +33,7 @@ from conftest import REPO, save_tiny_checkpoint
 
 RECORDS = Path(__file__).parent / "golden" / "records.json"
 RECORDING = os.environ.get("KVBENCH_GOLDEN_RECORD") == "1"
-REL = 1e-9
+REL_ELSEWHERE = 2e-3
 
 BASE = [
     "model.dtype=float64",
@@ -69,6 +72,8 @@ JOBS = {
     "compose_snapkv_kqsvd": ["method=compose", "method.evict=snapkv", "method.codec=kqsvd",
                              "bpd=1", "v_bpd=2", *TRACK_B],
     "compose_h2o_kivi": ["method=compose", "method.evict=h2o", "method.codec=kivi", "bpd=8", "v_bpd=8"],
+    "compose_h2o_kivi_refit": ["method=compose", "method.evict=h2o", "method.codec=kivi", "bpd=3",
+                               "method.codec_options={v_group:16}", *TRACK_B],
     "compose_h2o_cobra": ["method=compose", "method.evict=h2o", "method.codec=cobra_kl", "bpd=1",
                           "v_bpd=2"],
     "compose_split_search": ["method=compose", "method.evict=snapkv", "method.codec=cobra_plus",
@@ -125,7 +130,7 @@ def assert_same(got, want, exact: bool, path: str = "") -> None:
         if exact:
             assert got == want, f"{path}: {got!r} != recorded {want!r}"
         else:
-            assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-12), f"{path}: {got!r} vs {want!r}"
+            assert math.isclose(got, want, rel_tol=REL_ELSEWHERE, abs_tol=1e-12), f"{path}: {got!r} vs {want!r}"
     else:
         assert got == want, f"{path}: {got!r} != recorded {want!r}"
 

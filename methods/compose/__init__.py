@@ -96,11 +96,15 @@ Decisions where docs/methods.md is silent:
   outlier lists).
 * SnapKV's ``gqa="repeat"`` (g copies per KV head, §7.2) and an explicit ``capacity`` are refused:
   compose sets the capacity from rho, one kept set per KV head.
-* The prediction that fits rho uses the codec's ``nominal_bpd(n)`` on the kept count n (exact for
-  token-wise codecs; for KIVI under eviction while decoding it ignores the partially evicted
-  groups' metadata and which kept tokens sit in the residual: compose(snapkv with decode=evict,
-  kivi) measured bpd_KV 0.97 at a target of 1 on SmolLM2, keys above and values below their
-  prediction); the reported figure is always the measured one.
+* The prediction that fits rho uses the codec's ``nominal_bpd(n)`` on the kept count n: exact for
+  token-wise codecs and for KIVI under SnapKV with decode=keep (KIVI on the kept sequence); for
+  KIVI under an eviction that evicts while decoding it ignores which kept tokens sit in the fp16
+  residual and the partly evicted groups' metadata (``Compose.prediction_exact`` is False). There
+  the harness refits rho, at the codec's budgets, to the headline measured on calibration-corpus
+  windows of the job's regime (``kvbench/fit/measured_keep.py``): compose(h2o, kivi) on SmolLM2,
+  PPL track B, target 0.5: 0.344 measured at the predicted rho 0.0345, 0.5005 at the refitted
+  0.0525 after four measurements, 0.501 on the evaluation window. The reported figure is always
+  the evaluation's own measurement.
 * Stored positions (pre-RoPE codecs): the width grows with the tokens seen instead of being fixed
   at ⌈log₂ T_max⌉ for a model's whole window, the cheapest fixed-width exact code for what the
   cache holds at that moment; the mask alternative makes the cost at most one bit per seen token
