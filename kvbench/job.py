@@ -27,10 +27,10 @@ from methods import Unsupported, build_method
 from .config import Budget, JobConfig, budget, job_regime, redundant_seed
 from .context import JobContext, no_progress
 from .fit.budget_share import choose_budget_share
-from .fit.measured_keep import needs_refit, refit_kept
 from .fit.cobra_plus_select import select_for_job
 from .fit.kv_split import choose_kv_split
 from .fit.layer_sensitivity import measure_for
+from .fit.measured_keep import needs_refit, refit_kept
 from .fit.statistics import CalibrationSpec, statistics, with_sample
 from .model.compressed_lm import CompressedLM
 from .model.integrate import attached

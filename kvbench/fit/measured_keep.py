@@ -20,8 +20,9 @@ proportion to target / m_k (KIVI's residual flushes make the prediction a saw in
 inverse can point the wrong way). It stops within ``TOL`` of the target, after
 ``MAX_MEASUREMENTS``, or when the next rho holds the same token counts as a point already
 measured (the same prediction: adjacent kept counts bracket the target); the measured point
-closest to the target is kept (ties: the lower one). The codec's budgets stay those of the split. The windows overlap no calibration window and no
-held-out selection window (:mod:`kvbench.fit.heldout`), and never an evaluation set.
+closest to the target is kept (ties: the lower one). The codec's budgets stay those of the split.
+The windows overlap no calibration window and no held-out selection window
+(:mod:`kvbench.fit.heldout`), and never an evaluation set.
 
 Every measured point, the windows and the time go into the result (``measured_fit``; the method's
 knobs summarize it); the outcome is cached in ``$KVBENCH_CACHE/measured_keep``, keyed by model,
@@ -50,12 +51,12 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
+from methods.compose import RHO_MIN
+
 from ..context import JobContext
 from ..data import windows as W
 from ..model.compressed_lm import CompressedLM, summarize_readings
 from ..model.integrate import attached
-from methods.compose import RHO_MIN
-
 from ..store.cache import cached_json
 from .heldout import N_HELDOUT, heldout_starts
 from .statistics import calibration_ids, calibration_starts, spec_fields
