@@ -57,6 +57,7 @@ from ..context import JobContext
 from ..data import windows as W
 from ..model.compressed_lm import CompressedLM, summarize_readings
 from ..model.integrate import attached
+from ..model.perplexity import perplexity
 from ..store.cache import cached_json
 from .heldout import N_HELDOUT, heldout_starts
 from .statistics import calibration_ids, calibration_starts, spec_fields
@@ -103,12 +104,10 @@ def measured_kv(ctx: JobContext, method, windows: torch.Tensor) -> tuple[float, 
     reg = method.regime
     with attached(ctx.model, method) as comp:
         lm = CompressedLM(ctx.model, ctx.tokenizer, comp)
-        for w in windows:
-            w = w[None]
-            if reg.kind == "qall":
-                lm.logits(w)
-            else:
-                lm.score(w[:, : reg.tokens], w[:, reg.tokens :])
+        if reg.kind == "qall":
+            perplexity(lm, windows, "A")
+        else:
+            perplexity(lm, windows, "B", reg.tokens)
     s = summarize_readings(lm.readings)
     return s["measured_k"], s["measured_v"]
 
