@@ -546,7 +546,12 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
     assert gpu_check.e2e_plan(gpu_check.PRESET["quick"], "cpu", torch.bfloat16) == (2, (4096,), 16)
     monkeypatch.setenv(common.FORCE_NO_NATIVE_BF16, "0")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(common, "bf16_attention_runs", lambda: True)
     assert common.native_bf16() and common.cpu_dtype() == torch.bfloat16
+    monkeypatch.setattr(common, "bf16_attention_runs", lambda: False)
+    assert not common.native_bf16()
+    assert "run no bf16 attention" in common.bench_dtype("auto", cpu)[1]
+    monkeypatch.setattr(common, "bf16_attention_runs", lambda: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
     assert common.cpu_dtype() == torch.float32
     assert "no native bf16" in common.bench_dtype("auto", cpu)[1]

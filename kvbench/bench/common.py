@@ -8,6 +8,7 @@ stable answers; the median over repetitions is reported after a warm-up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -84,16 +85,35 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively, as PyTorch's oneDNN decides
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BW/VL/DQ on x86, BF16 on Arm);
-    False when ``KVBENCH_FORCE_NO_NATIVE_BF16=1``. Where it is False a bf16 matmul takes a
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BW/VL/DQ on x86, BF16 on Arm),
+    and ATen's attention kernel runs in bf16 here (:func:`bf16_attention_runs`); False when
+    ``KVBENCH_FORCE_NO_NATIVE_BF16=1``. Where it is False a bf16 matmul takes a
     fallback path hundreds of times slower than float32 (a 1024x4096x4096 product: minutes
     against about a second; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces it on an AVX-512 machine)."""
     if _forced_no_bf16():
         return False
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
+    return onednn and bf16_attention_runs()
+
+
+@functools.cache
+def bf16_attention_runs() -> bool:
+    """Whether ATen's CPU attention kernel runs in bf16 at the kernel set it dispatches to here.
+    It does not everywhere: on a CPU with AMX, with ``ATEN_CPU_CAPABILITY=avx2`` or ``default``,
+    PyTorch 2.x's flash-attention kernel packs its bf16 blocks with an AVX-512-only routine and
+    raises ("pack_vnni2 is only supported when avx512 is supported") once a sequence reaches
+    64 tokens. One 128-token call answers it (asked once a process)."""
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as e:
+        log.info("bf16 attention does not run with ATen's %s kernels here: %s",
+                 torch.backends.cpu.get_cpu_capability(), e)
+        return False
+    return True
 
 
 def _forced_no_bf16() -> bool:
@@ -115,7 +135,12 @@ def bench_dtype(name: str | None, device: torch.device) -> tuple[torch.dtype, st
             return torch.bfloat16, "bfloat16 (CUDA)"
         if native_bf16():
             return torch.bfloat16, "bfloat16 (native on this CPU)"
-        why = f"{FORCE_NO_NATIVE_BF16}=1" if _forced_no_bf16() else "this CPU has no native bf16"
+        if _forced_no_bf16():
+            why = f"{FORCE_NO_NATIVE_BF16}=1"
+        elif not bf16_attention_runs():
+            why = f"ATen's {torch.backends.cpu.get_cpu_capability()} kernels here run no bf16 attention"
+        else:
+            why = "this CPU has no native bf16"
         return torch.float32, f"float32 ({why})"
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; valid choices: auto, {', '.join(DTYPES)}")
