@@ -176,7 +176,8 @@ def model_section(points: pd.DataFrame, statuses: dict, model: str, metric: str,
 def _margin(at: pd.DataFrame, best: pd.Series, lower: bool, decimals: int) -> str:
     """How far the best line of a budget is ahead of the runner-up, against the seed spread: the
     margin exceeds it when the two means differ by more than the sum of their seed std's (their
-    ±1 std bars do not overlap); a line with one seed has no spread to compare."""
+    ±1 std bars do not overlap); a line with one seed, or two lines whose seeds all gave the same
+    figure, have no spread to compare."""
     rest = at[at["label"] != best["label"]]
     if rest.empty:
         return ""
@@ -186,6 +187,8 @@ def _margin(at: pd.DataFrame, best: pd.Series, lower: bool, decimals: int) -> st
     if best["n"] < 2 or second["n"] < 2:
         return text + " (one seed on a side: no seed spread to compare)"
     spread = float(best["yerr"]) + float(second["yerr"])
+    if spread == 0:  # e.g. rows whose seeds change nothing they read: a margin over 0 says nothing
+        return text + " (each side gave the same figure for every seed: no seed spread to compare)"
     word = "exceeds" if gap > spread else "does not exceed"
     return text + f", which {word} the seed spread (std {best['yerr']:.{decimals}f} + {second['yerr']:.{decimals}f})"
 
@@ -228,10 +231,13 @@ def draw_frontier(points: pd.DataFrame, metric: str, title: str, ylabel: str):
     ref = points.loc[points["family"] == "reference", "y"]
     yhi = log_axes(ax, xs, ys, metric, PPL_CLIP * float(ref.mean()) if len(ref) else math.inf)
     if yhi is not None:
-        for r in points[points["y"] > yhi].itertuples():  # off the top: an arrow and the value
-            ax.annotate(f"{r.label} {r.y:.0f} @ {r.x:.3g}", xy=(r.x, yhi), xytext=(0, -14),
+        stacked: dict[float, int] = {}  # labels at one x go one under the other, not over each other
+        for r in points[points["y"] > yhi].sort_values("y", ascending=False).itertuples():
+            key = round(math.log(r.x), 2)
+            row = stacked[key] = stacked.get(key, -1) + 1
+            ax.annotate(f"{r.label} {r.y:.0f} @ {r.x:.3g}", xy=(r.x, yhi), xytext=(0, -14 - 10 * row),
                         textcoords="offset points", ha="center", fontsize="x-small",
-                        arrowprops={"arrowstyle": "->", "color": "gray"})
+                        arrowprops={"arrowstyle": "->", "color": "gray"} if row == 0 else None)
     ax.set_xlabel("measured bits per dimension, bpd_KV = (K + V)/2 (log scale)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize="medium")

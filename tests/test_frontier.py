@@ -92,11 +92,14 @@ def test_report_marks_the_front_and_says_where_a_composition_is_on_it(tmp_path):
 @pytest.mark.parametrize("h2o_ppl,verdict", [
     ((98.0, 102.0), "which exceeds the seed spread"),       # H2O 100 ± 2.8 vs 110 ± 2.8
     ((92.0, 108.0), "which does not exceed the seed spread"),  # H2O 100 ± 11.3
+    ((100.0, 100.0), "(each side gave the same figure for every seed: no seed spread to compare)"),
 ])
 def test_margin_against_the_seed_spread(tmp_path, h2o_ppl, verdict):
     """The best line at a budget is compared with the runner-up: the margin exceeds the seed
-    spread when the means differ by more than the sum of the two seed std's."""
-    for seed, (h, c) in enumerate(zip(h2o_ppl, (108.0, 112.0))):
+    spread when the means differ by more than the sum of the two seed std's; two lines whose
+    seeds all gave the same figure have no spread to exceed."""
+    rival = (110.0, 110.0) if h2o_ppl[0] == h2o_ppl[1] else (108.0, 112.0)
+    for seed, (h, c) in enumerate(zip(h2o_ppl, rival)):
         write_run(tmp_path, f"h2o_{seed}", model="smollm2_135m", method="h2o", k=1.0, v=1.0,
                   seed=seed, ppl={"ptb": h}, experiment="frontier")
         write_run(tmp_path, f"kv_{seed}", model="smollm2_135m", method="cobra_kl", k=1.0, v=1.0,
