@@ -418,6 +418,25 @@ def test_stored_reference_leaves_no_pass_to_a_tenfold_perplexity():
                 assert gpu_check.ppl_row(r, label, preset, "bfloat16", entries).verdict == "MISS", (name, label, fake)
 
 
+def test_stored_reference_has_every_case_with_its_current_options():
+    """A method option added or renamed since the reference was written would turn that method's
+    ``ppl`` row into INFO (no matching reference) on every machine: every case of every preset must
+    find its reference with the options the check builds it with today."""
+    from kvbench.bench import gpu_check
+    from kvbench.bench.common import bench_options
+    from methods import build_method
+
+    ref = gpu_check.load_reference(gpu_check.REFERENCE)
+    assert ref is not None and set(ref["presets"]) == set(gpu_check.PRESET)
+    for preset, entry in ref["presets"].items():
+        for label, name, options, bpd, v_bpd in gpu_check.CASES:
+            stored = entry["methods"].get(label)
+            assert stored is not None, (preset, label)
+            method = None if name is None else build_method(name, **bench_options(name, options))
+            assert (stored["bpd"], stored["v_bpd"]) == (bpd, v_bpd), (preset, label)
+            assert stored["options"] == gpu_check.method_options(method), (preset, label, "--write-reference")
+
+
 def test_e2e_peak_passes_only_where_it_can_fail_a_method():
     """Where the weights are most of the peak, a method needing twice plain's growth stays under
     1.1x of plain's peak: such a row is INFO (MISS above the target), and a PASS needs a case where

@@ -201,11 +201,7 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
     :class:`LayerStats`, or a :class:`StatsSource` that gives each method the key/value sample it
     asks for (``calibration_sample_tokens()``: KVQuant fits on it) and the others the plain moments.
     ``seed``: the calibration's, and GEAR's Omega (unless its options set one)."""
-    if name == "kivi":
-        options = {"budget": "nominal", **options}
-    if name == "gear":  # its Omega's seed (else the torch seed at configure: whatever ran before)
-        options = {"seed": seed, **options}
-    method = build_method(name, **options)
+    method = build_method(name, **bench_options(name, options, seed))
     method.configure(shape, bpd, v_bpd)
     if method.needs_calibration:
         if stats is None:
@@ -214,6 +210,16 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
             stats = stats(sample_request(method))
         method.calibrate(stats, seed=seed)
     return method
+
+
+def bench_options(name: str, options: dict, seed: int = 0) -> dict:
+    """The options :func:`make_method` builds ``name`` with: KIVI at its nominal budget, GEAR's
+    Omega drawn from ``seed`` (else the torch seed at configure: whatever ran before)."""
+    if name == "kivi":
+        return {"budget": "nominal", **options}
+    if name == "gear":
+        return {"seed": seed, **options}
+    return dict(options)
 
 
 def sample_request(method) -> int:
