@@ -348,6 +348,7 @@ def test_device_check_rows_follow_the_tolerance():
     assert verdict[("inpass", "kivi")] == "PASS" and verdict[("inpass", "svdq")] == "MISS"
     assert verdict[("ppl", "fp16")] == "PASS" and verdict[("ppl", "kivi")] == "PASS"  # 2% off its reference
     assert verdict[("ppl", "h2o")] == "MISS"  # NaN
+    assert verdict[("inpass", "h2o")] == "INFO"  # its paths agree, but there is no perplexity to carry over
     assert verdict[("longqa", "kivi")] == "INFO"  # F1 0 for every method: no evidence either way
     rows = gpu_check.smollm2_rows(run, preset, "bfloat16", entries)
     assert [r.verdict for r in rows if r.section == "smollm2"] == ["MISS"]
@@ -399,7 +400,8 @@ def test_device_check_reference_matches_data_and_preset():
 
 def test_stored_reference_leaves_no_pass_to_a_tenfold_perplexity():
     """The committed float32 reference: every method's own figure passes, and a result at 10x
-    FP16's perplexity or at 10x its own misses, for every method of every preset."""
+    FP16's perplexity or at 10x its own misses, for every method of every preset; a whole run at
+    10x has no PASS row left (its in-pass rows have no perplexity verdict to carry over)."""
     from kvbench.bench import gpu_check
 
     ref = gpu_check.load_reference(gpu_check.REFERENCE)
@@ -416,6 +418,9 @@ def test_stored_reference_leaves_no_pass_to_a_tenfold_perplexity():
             for fake in (10 * fp16, 10 * m["ppl"]):
                 r["ppl"]["value"] = fake
                 assert gpu_check.ppl_row(r, label, preset, "bfloat16", entries).verdict == "MISS", (name, label, fake)
+        run = [_result(label, m["method"], 10 * m["ppl"], m["bpd"], m["v_bpd"], m["measured_bpd"], m["track"],
+                       options=m["options"]) for label, m in entries[0].items()]
+        assert not [r.name for r in gpu_check.smollm2_rows(run, preset, "bfloat16", entries) if r.verdict == "PASS"]
 
 
 def test_stored_reference_has_every_case_with_its_current_options():

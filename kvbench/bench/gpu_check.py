@@ -31,7 +31,9 @@ PTB and SQuAD from the installed asset packages, random models built in memory).
      converted for the check), tolerance max |Δlogit| <= 1e-4 (the tests' bound): in bf16 the two
      paths round differently, a code at a rounding boundary flips and moves every later logit, so a
      bf16 difference says nothing about the method's logic (tests/test_smollm2.py measured 2.4 in
-     float32). The max |Δlogit| in the run dtype is reported beside it, with FP16's own.
+     float32). The max |Δlogit| in the run dtype is reported beside it, with FP16's own. The row
+     carries the ``ppl`` verdict over to the decode path, so it is a PASS only where the method's
+     ``ppl`` row is one (else INFO: a method at 10x its perplexity decodes as consistently).
 
 2. **e2e** — :mod:`kvbench.bench.e2e` on ``llama3_8b_random`` (random weights, Llama-3.1-8B's shape,
    the run dtype, all 32 layers) at 4k and 32k prompt tokens, 32 new tokens, every method against
@@ -384,19 +386,31 @@ def smollm2_rows(results: list[dict], preset: Preset, dtype: str,
                             note=r["error"][:160], detail=r))
             continue
         q = r["longqa"]
-        rows.append(ppl_row(r, tag, preset, dtype, entries))
+        ppl = ppl_row(r, tag, preset, dtype, entries)
+        rows.append(ppl)
         rows.append(Row("longqa", f"{tag}, 1 item", "F1", q["f1"], "", FINITE, 0.0, shown=f"F1 {q['f1']:.1f}",
                         note=f"{q['seconds']:.2f} s; {q['prompt_tokens']} prompt tokens; {q['prediction'][:40]!r}",
                         detail={"method": r["method"], **q}))
         what = "prefill + chunk vs steps" if r["method"] == "snapkv" else "one pass vs steps"
         gap = r.get("inpass_f64", float("nan"))
-        rows.append(Row("inpass", f"{tag}, {preset.inpass_tokens} tokens", "max |dlogit| float64", gap, "", "<=",
-                        EXACT_TOL, shown=f"{gap:.2g}",
-                        note=(f"{what}; {dtype}: {r['inpass_dtype']:.3g} (fp16's own {fp16_gap:.3g})"
-                              + (f"; float64 error {r['inpass_f64_error']}" if "inpass_f64_error" in r else "")),
-                        detail={"method": r["method"], "float64": gap, dtype: r["inpass_dtype"],
-                                "fp16_" + dtype: fp16_gap, "tolerance": EXACT_TOL}))
+        inpass = Row("inpass", f"{tag}, {preset.inpass_tokens} tokens", "max |dlogit| float64", gap, "", "<=",
+                     EXACT_TOL, shown=f"{gap:.2g}",
+                     note=(f"{what}; {dtype}: {r['inpass_dtype']:.3g} (fp16's own {fp16_gap:.3g})"
+                           + (f"; float64 error {r['inpass_f64_error']}" if "inpass_f64_error" in r else "")),
+                     detail={"method": r["method"], "float64": gap, dtype: r["inpass_dtype"],
+                             "fp16_" + dtype: fp16_gap, "tolerance": EXACT_TOL})
+        rows.append(vouched_by(inpass, ppl))
     return rows
+
+
+def vouched_by(inpass: Row, ppl: Row) -> Row:
+    """An ``inpass`` PASS carries the ``ppl`` verdict over to the decode path (the two paths agree),
+    so it says nothing where that perplexity was not itself a PASS: a method at 10x its perplexity
+    can decode exactly as it scores. Such a row is INFO with the reason; a MISS stays a MISS."""
+    if inpass.verdict != "PASS" or ppl.verdict == "PASS":
+        return inpass
+    return dataclasses.replace(inpass, op=INFO, note=f"the paths agree, but the perplexity row is {ppl.verdict}: "
+                                                     f"nothing to carry over; {inpass.note}")
 
 
 @torch.no_grad()
