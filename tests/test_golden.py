@@ -11,7 +11,8 @@ comparison is exact, bit for bit. Elsewhere a float64 reduction may round its la
 decision boundary, which a search then carries on: records made on an AVX-512 machine and rerun
 on one with AMX differed by up to 4.4e-4 relative (KQ-SVD's step-multiplier range in a composed
 job; perplexities by up to 2.4e-7). So numbers are compared to :data:`REL_ELSEWHERE` relative
-there; strings, integers, statuses and item ids stay exact everywhere.
+there (the measured ratios of :data:`REL_PROBE` looser); strings, integers, statuses and item ids
+stay exact everywhere.
 
 Re-record only for an intended change of behaviour, and say why in the commit:
 ``KVBENCH_GOLDEN_RECORD=1 .venv/bin/python -m pytest tests/test_golden.py -n 0``.
@@ -34,6 +35,14 @@ from conftest import REPO, save_tiny_checkpoint
 RECORDS = Path(__file__).parent / "golden" / "records.json"
 RECORDING = os.environ.get("KVBENCH_GOLDEN_RECORD") == "1"
 REL_ELSEWHERE = 2e-3
+#: paths (by their ending) compared looser than REL_ELSEWHERE off the recording machine: KV-COBRA+'s
+#: K/V exchange rate and the two all-layers probes it is the ratio of. On the tiny random model the
+#: key probe's KL increase is about 3e-7, so a few code flips move it (and the rate) by far more
+#: than a last bit: it read 2.64e-7 / 3.05e-7 / 2.99e-7 with the avx512 / avx2 / default kernels of
+#: one machine (``ATEN_CPU_CAPABILITY``), and the rate 98.98 / 85.62 (avx512 / avx2), while every
+#: other number of the job, the V budgets it chose and the perplexity included, stayed equal to the
+#: last bit; those are still compared at REL_ELSEWHERE.
+REL_PROBE = {"exchange_v_per_k": 0.3, "layer_sensitivity.whole.k": 0.3, "layer_sensitivity.whole.v": 0.3}
 
 BASE = [
     "model.dtype=float64",
@@ -130,7 +139,8 @@ def assert_same(got, want, exact: bool, path: str = "") -> None:
         if exact:
             assert got == want, f"{path}: {got!r} != recorded {want!r}"
         else:
-            assert math.isclose(got, want, rel_tol=REL_ELSEWHERE, abs_tol=1e-12), f"{path}: {got!r} vs {want!r}"
+            rel = next((r for end, r in REL_PROBE.items() if path.endswith("." + end)), REL_ELSEWHERE)
+            assert math.isclose(got, want, rel_tol=rel, abs_tol=1e-12), f"{path}: {got!r} vs {want!r}"
     else:
         assert got == want, f"{path}: {got!r} != recorded {want!r}"
 
