@@ -164,7 +164,7 @@ def records():
     yield json.loads(RECORDS.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.numerics  # make test-portable reruns them under each CPU kernel set
 @pytest.mark.parametrize("name", list(JOBS))
 def test_job_matches_its_golden_record(name, tmp_path, tiny_checkpoint, records, monkeypatch):
     from kvbench.job import run_job
