@@ -87,7 +87,7 @@ def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively, as PyTorch's oneDNN decides
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BW/VL/DQ on x86, BF16 on Arm),
     and ATen's attention kernel runs in bf16 here (:func:`bf16_attention_runs`); False when
-    ``KVBENCH_FORCE_NO_NATIVE_BF16=1``. Where it is False a bf16 matmul takes a
+    ``KVBENCH_FORCE_NO_NATIVE_BF16=1``. Where oneDNN says no, a bf16 matmul takes a
     fallback path hundreds of times slower than float32 (a 1024x4096x4096 product: minutes
     against about a second; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces it on an AVX-512 machine)."""
     if _forced_no_bf16():
