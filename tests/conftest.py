@@ -128,6 +128,21 @@ def tiny_tokenizer(vocab_size: int = 128):
     )
 
 
+class OneByOne:
+    """A mixin for CompressedLM stand-ins that answer one prompt at a time (``generate``,
+    ``generate_query_agnostic``): ``generate_rows`` asks them row by row, in row order."""
+
+    def generate_rows(self, prompts, max_new_tokens, stop_ids=(), n_context=None):
+        out = []
+        for p, n in zip(prompts, n_context or [None] * len(prompts)):
+            ids = torch.as_tensor(p, dtype=torch.long).reshape(1, -1)
+            if n is None:
+                out.append(self.generate(ids, max_new_tokens, stop_ids))
+            else:
+                out.append(self.generate_query_agnostic(ids, n, max_new_tokens, stop_ids))
+        return out
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (converted once into $KVBENCH_CACHE)."""

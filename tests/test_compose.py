@@ -97,7 +97,7 @@ def _track_b(model, method, ids, p=50, steps=False):
             else:
                 logits = comp.forward(ids[:, p:], p, prefill=False)
                 reads = comp.read_bpd()
-            end, states = comp.measured_bpd(), list(comp.states)
+            end, states = comp.measured_bpd(), list(comp.states[0])
     finally:
         comp.detach()
     return logits, prefill_end, end, reads, states
@@ -446,15 +446,15 @@ def test_stored_bits_are_kept_share_times_codec_bits_plus_scores(model_and_stats
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
-        alone_bits = list(codec_alone.last_bits)
+        alone_bits = list(codec_alone.last_bits[0])
     finally:
         codec_alone.detach()
     c = attach(model, comp)
     try:
         with torch.no_grad(), c.session():
             c.forward(ids, 0, prefill=False)
-            held = [s.n_kept for s in c.states]
-            got = list(c.last_bits)
+            held = [s.n_kept for s in c.states[0]]
+            got = list(c.last_bits[0])
     finally:
         c.detach()
     hkv = model_shape(model).n_kv_heads
@@ -594,7 +594,7 @@ def test_pre_rope_compositions_store_positions_post_rope_ones_do_not(model_and_s
         try:
             with torch.no_grad(), c.session():
                 c.forward(ids, 0, prefill=False)
-                states = list(c.states)
+                states = list(c.states[0])
         finally:
             c.detach()
         for st in states:

@@ -163,12 +163,12 @@ def test_generation_matches_the_plain_model_for_fp16(model_and_stats):
     assert ours == plain
 
 
-def test_batches_with_padding_are_refused(model_and_stats):
+def test_single_sequence_forms_refuse_a_batch(model_and_stats):
     model, _ = model_and_stats
     comp = attach(model, Fp16())
     try:
-        with pytest.raises(ValueError, match="batch 1"):
-            CompressedLM(model, None, comp).logits(torch.zeros(2, 8, dtype=torch.long))
+        with pytest.raises(ValueError, match="_rows"):
+            CompressedLM(model, None, comp).generate(torch.zeros(2, 8, dtype=torch.long), 2)
     finally:
         comp.detach()
 

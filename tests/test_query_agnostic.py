@@ -9,7 +9,7 @@ import torch
 
 from kvbench.model.compressed_lm import PREFILL, CompressedLM
 from kvbench.tasks import query_protocol as qs
-from tests.conftest import configured_method, tiny_llama
+from tests.conftest import OneByOne, configured_method, tiny_llama
 
 pytestmark = pytest.mark.numerics
 
@@ -61,9 +61,9 @@ def test_compressed_split_feeds_question_with_decode_semantics(one_thread, monke
     calls, ends, last_reads = [], [], []
     real = Compressor.forward
 
-    def spy(self, input_ids, start, prefill, last=0):
-        out = real(self, input_ids, start, prefill, last)
-        calls.append((input_ids.shape[1], start, prefill))
+    def spy(self, input_ids, start, prefill, last=0, **layout):
+        out = real(self, input_ids, start, prefill, last, **layout)
+        calls.append((input_ids.shape[1], start if isinstance(start, int) else start[0], prefill))
         if prefill:
             ends.append(self.measured_bpd())
         else:  # what the pass's last query read: the one that predicts the next token
@@ -137,7 +137,7 @@ def test_ruler_question_patterns():
 # ------------------------------------------------------------- LongBench / longqa_squad switch
 
 
-class RecordingLM:
+class RecordingLM(OneByOne):
     """A CompressedLM stand-in that answers nothing and records how it was asked."""
 
     def __init__(self, tokenizer):

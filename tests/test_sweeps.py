@@ -55,6 +55,7 @@ def test_job_id_ignores_paths_tracking_and_labels():
         ["rerun=true"],
         ["wandb.mode=disabled", "wandb.project=elsewhere", "wandb.entity=me"],
         ["bpd=1"],  # typed as an int on the command line, a float in YAML: the same job
+        ["task.batch_size=4"], ["task.batch_size=auto"],  # a batch gives what its rows give alone
     ):
         assert job_id(cfg_of("method=cobra_kl", "bpd=1.0", *same)) == base, same
     # labels: the experiment's name and the row that selected the other keys

@@ -3,6 +3,8 @@ collected by a plain function (no W&B), and the bits each generated item's recor
 
 from __future__ import annotations
 
+from conftest import OneByOne
+
 import json
 
 import pytest
@@ -62,7 +64,7 @@ def test_ruler_reports_generations_then_scores(tokenizer, one_thread):
     assert all(r["bpd_k"] == 16.0 and r["bpd_v"] == 16.0 for r in out["records"])  # the bits each item read
 
 
-class EchoLM:
+class EchoLM(OneByOne):
     """Answers with the item's first reference; one 16-bit reading per generation."""
 
     def __init__(self, tokenizer, answers):

@@ -95,9 +95,9 @@ class SpyLM:
         self.calls["logits"] += 1
         return self.inner.logits(ids, **kwargs)
 
-    def score(self, ctx, cont):
-        self.calls["score"] += 1
-        return self.inner.score(ctx, cont)
+    def score_rows(self, contexts, targets):
+        self.calls["score"] += len(contexts)
+        return self.inner.score_rows(contexts, targets)
 
 
 @pytest.mark.slow
@@ -221,8 +221,8 @@ def test_zero_shot_items_do_not_depend_on_the_seed(monkeypatch):
     real = zs.compressed_hflm
     seen: dict[int, list] = {}
 
-    def spying(clm, max_length=None):
-        model = real(clm, max_length)
+    def spying(clm, max_length=None, batch_size=1):
+        model = real(clm, max_length, batch_size)
         inner = model.loglikelihood
 
         def loglikelihood(requests, **kw):

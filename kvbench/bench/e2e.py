@@ -244,7 +244,7 @@ def method_generate(model, method, ids: torch.Tensor, n: int, device) -> dict:
         static: set = set()
         resident_bytes(method, static)  # per-model constants (projections, steps): not the cache
         resident = resident_bytes(marks.get("states"), static)
-        stored = sum(b[0] + b[1] for b in comp.last_bits) / 8
+        stored = sum(b[0] + b[1] for b in comp.last_bits[0]) / 8  # the one row
         return {"prefill_s": marks["prefill_end"] - t0, "decode_s": t2 - marks["prefill_end"], "tokens": new,
                 "stored_bytes": stored, "resident_bytes": resident, "measured_bpd": list(lm.measured_bpd)}
 

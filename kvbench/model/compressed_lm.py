@@ -39,6 +39,7 @@ import torch
 
 from methods import Unsupported
 
+from .batching import Padded, pad
 from .integrate import Compressor, cache_argument, last_logits, returned_cache
 
 
@@ -102,6 +103,11 @@ def summarize_readings(readings: list[BpdReading]) -> dict | None:
 
 @dataclass
 class CompressedLM:
+    """The model with its method. Every operation takes a batch of rows of any lengths (the
+    ``*_rows`` forms; the single-sequence forms are their batch of one): the rows are padded as
+    :mod:`kvbench.model.batching` says, each row gets its own layer states, and each row appends
+    its own :class:`BpdReading`, in row order, equal to the one it appends alone."""
+
     model: torch.nn.Module
     tokenizer: object
     compressor: Compressor | None = None
@@ -120,17 +126,9 @@ class CompressedLM:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @staticmethod
-    def _check_batch(ids: torch.Tensor) -> None:
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(
-                f"compressed evaluation runs one sequence at a time (batch 1, no padding, so "
-                f"padding cannot interact with compression); got input of shape {tuple(ids.shape)}"
-            )
-
     def _record(self, regime: str, reads: list, positions: int, prefill_end=None,
-                first_from_prefill: bool = True) -> None:
-        """Append the call's :class:`BpdReading`. ``reads``: the ``read_bpd`` tensors of the scored
+                first_from_prefill: bool = True, row: int = 0) -> None:
+        """Append one row's :class:`BpdReading`. ``reads``: the ``read_bpd`` tensors of the scored
         positions; for a prefill-exact call ``prefill_end`` is the end-of-prefill figure, which also
         stands for the one prediction the exact prefill makes (``first_from_prefill``; False when
         that prediction comes from a decode-semantics pass, whose read is in ``reads``).
@@ -140,7 +138,7 @@ class CompressedLM:
             self.readings.append(BpdReading(regime, full, full, max(positions, 1),
                                             full if regime == PREFILL else None))
             return
-        self.measured_bpd = self.compressor.measured_bpd()
+        self.measured_bpd = self.compressor.measured_bpd(row)
         if regime == PREFILL:
             mean, n = _scored_mean(reads, prefill_end if first_from_prefill else None)
             self.readings.append(BpdReading(regime, mean, self.measured_bpd, n, prefill_end))
@@ -149,85 +147,100 @@ class CompressedLM:
             self.readings.append(BpdReading(regime, mean, self.measured_bpd, n))
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor, scored: int | None = None) -> torch.Tensor:
-        """Q-all logits [1, T, V]. ``scored``: how many of the last positions make the predictions
-        the caller scores (zero-shot: the continuation's); the measured bpd is taken over those
-        (default: every position)."""
+    def logits(self, input_ids: torch.Tensor, scored=None, lengths: list[int] | None = None) -> torch.Tensor:
+        """Q-all logits [B, T, V] of B rows. ``lengths``: each row's real tokens, the rest being
+        right padding (lm-eval's layout; None: no padding); the logits of padding columns mean
+        nothing. ``scored``: how many of each row's last real positions make the predictions the
+        caller scores (zero-shot: the continuation's; an int for every row or one per row); the
+        row's measured bpd is taken over those (default: every real position)."""
         if not self.supports_in_pass:
             raise NotInPass(
                 f"{self.method.name} acts only at the end of a prefill; it has no single-pass "
                 "simulation (use ppl track B or score())"
             )
-        if self.compressor is not None:
-            self._check_batch(input_ids)
-        t = input_ids.shape[-1]
-        if scored is not None and not 0 < scored <= t:
-            raise ValueError(f"scored={scored} must be in 1..{t} (the input's length)")
-        out = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
-        reads = self.compressor.read_bpd() if self.compressor is not None else None
-        if reads is not None and scored is not None:
-            reads = (reads[0][-scored:], reads[1][-scored:])
-        self._record(QALL, [reads] if reads is not None else [], t if scored is None else scored)
+        if input_ids.dim() != 2:
+            raise ValueError(f"logits() takes token rows [B, T]; got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        lengths = [t] * b if lengths is None else [int(n) for n in lengths]
+        padded = Padded(input_ids, lengths, "right")
+        scored = [scored] * b if scored is None or isinstance(scored, int) else list(scored)
+        for s, n in zip(scored, lengths):
+            if s is not None and not 0 < s <= n:
+                raise ValueError(f"scored={s} must be in 1..{n} (the row's length)")
+        # right padding from position 0: the plain model's causality keeps padding out of every
+        # real position (as lm-eval runs it); a method's rows see their real tokens only
+        if self.compressor is None:
+            out = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+        else:
+            with self.compressor.layout(padded if padded.ragged else None):
+                out = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+        for i in range(b):
+            reads = self.compressor.read_bpd(i) if self.compressor is not None else None
+            if reads is not None and scored[i] is not None:
+                reads = (reads[0][-scored[i]:], reads[1][-scored[i]:])
+            self._record(QALL, [reads] if reads is not None else [],
+                         lengths[i] if scored[i] is None else scored[i], row=i)
         return out
 
     @torch.no_grad()
     def score(self, context_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [1, Tt] of ``target_ids`` given ``context_ids`` (both [1, T])."""
-        context_ids, target_ids = context_ids.to(self.device), target_ids.to(self.device)
-        tc = context_ids.shape[1]
+        return self.score_rows([context_ids[0]], [target_ids[0]])[0][None]
+
+    @torch.no_grad()
+    def score_rows(self, contexts: list, targets: list) -> list[torch.Tensor]:
+        """Per row, the log-probabilities [Tt_i] of ``targets[i]`` given ``contexts[i]`` (token
+        rows of any lengths): the contexts prefilled exactly and compressed, the targets scored
+        teacher-forced through the compressed cache with decode semantics."""
+        contexts = [torch.as_tensor(c, dtype=torch.long).reshape(-1) for c in contexts]
+        targets = [torch.as_tensor(c, dtype=torch.long).reshape(-1) for c in targets]
         if self.compressor is None:
-            ids = torch.cat([context_ids, target_ids], dim=1)
-            tt = target_ids.shape[1]  # positions tc-1 .. end-1 predict the targets
-            out = self.model(input_ids=ids, use_cache=False, **last_logits(self.model, tt + 1)).logits
-            logits = out[:, -(tt + 1) : -1]
-            self._record(PREFILL, [], tt)
+            logits = self._plain_score_logits(contexts, targets)
         else:
-            self._check_batch(context_ids)
-            comp = self.compressor
-            with comp.session():
-                first = comp.forward(context_ids, 0, prefill=True, last=1)
-                prefill_end = comp.measured_bpd()
-                parts, reads = [first], []
-                if target_ids.shape[1] > 1:
-                    parts.append(comp.forward(target_ids[:, :-1], tc, prefill=False))
-                    reads.append(comp.read_bpd())
-                self._record(PREFILL, reads, 0, prefill_end)
-            logits = torch.cat(parts, dim=1)
-        logprobs = logits.float().log_softmax(-1)
-        return logprobs.gather(-1, target_ids[..., None])[..., 0]
+            logits = self._compressed_score_logits(contexts, targets)
+        out = []
+        for lg, tgt in zip(logits, targets):
+            logprobs = lg.float().log_softmax(-1)
+            out.append(logprobs.gather(-1, tgt.to(lg.device)[:, None])[:, 0])
+        return out
+
+    def _plain_score_logits(self, contexts, targets) -> list[torch.Tensor]:
+        """The plain model: context and target in one right-padded pass (causality keeps the
+        padding out), the logits of the positions that predict the targets."""
+        padded = pad([torch.cat([c, t]) for c, t in zip(contexts, targets)], "right", device=self.device)
+        keep = padded.width - min(c.numel() for c in contexts) + 1
+        out = self.model(input_ids=padded.ids, use_cache=False, **last_logits(self.model, keep)).logits
+        first = padded.width - out.shape[1]  # the column of out's first row
+        rows = []
+        for i, (c, t) in enumerate(zip(contexts, targets)):
+            rows.append(out[i, c.numel() - 1 - first : c.numel() - 1 - first + t.numel()])
+            self._record(PREFILL, [], t.numel(), row=i)
+        return rows
+
+    def _compressed_score_logits(self, contexts, targets) -> list[torch.Tensor]:
+        comp, b = self.compressor, len(contexts)
+        with comp.session(b):
+            ctx = pad(contexts, "left", device=self.device)
+            first = comp.forward(ctx.ids, 0, prefill=True, last=1, padded=ctx)
+            prefill_end = [comp.measured_bpd(i) for i in range(b)]
+            parts = [[first[i]] for i in range(b)]
+            reads = [[] for _ in range(b)]
+            rest = [i for i in range(b) if targets[i].numel() > 1]
+            if rest:
+                tgt = pad([targets[i][:-1] for i in rest], "left", device=self.device)
+                out = comp.forward(tgt.ids, [contexts[i].numel() for i in rest], prefill=False,
+                                   padded=tgt, rows=rest)
+                for j, i in enumerate(rest):
+                    parts[i].append(out[j, tgt.valid(j)])
+                    reads[i].append(comp.read_bpd(i))
+            for i in range(b):
+                self._record(PREFILL, reads[i], 0, prefill_end[i], row=i)
+        return [torch.cat(p) for p in parts]
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, stop_ids=()) -> list[int]:
         """Greedy decoding; stops after ``max_new_tokens`` or at a token in ``stop_ids``."""
-        input_ids = input_ids.to(self.device)
-        self._check_batch(input_ids)
-        if self.compressor is None:
-            name, state = cache_argument(self.model), {}
-
-            def step(ids, pos):
-                extra = {name: state["cache"]} if "cache" in state else {}
-                out = self.model(input_ids=ids, use_cache=True, **extra, **last_logits(self.model))
-                state["cache"] = returned_cache(out)
-                return out.logits[:, -1]
-
-            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            self._record(PREFILL, [], len(new))
-            return new
-        comp = self.compressor
-        with comp.session():
-            ends, reads = [], []
-
-            def step(ids, pos):
-                logits = comp.forward(ids, pos, prefill=pos == 0, last=1)[:, -1]
-                if pos == 0:
-                    ends.append(comp.measured_bpd())
-                else:
-                    reads.append(comp.read_bpd())
-                return logits
-
-            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            self._record(PREFILL, reads, 0, ends[0])
-        return new
+        return self.generate_rows([_one_row(input_ids)], max_new_tokens, stop_ids)[0]
 
     @torch.no_grad()
     def generate_query_agnostic(
@@ -244,66 +257,129 @@ class CompressedLM:
         is made by the query chunk's last position through the compressed context);
         ``prefill_end`` is the cache at the end of the exact (context) prefill.
         """
-        input_ids = input_ids.to(self.device)
-        self._check_batch(input_ids)
-        t = input_ids.shape[1]
-        if not 0 < n_context <= t:
-            raise ValueError(f"n_context={n_context} must be in 1..{t} (the prompt's length)")
-        if n_context == t:
-            return self.generate(input_ids, max_new_tokens, stop_ids)
-        context, query = input_ids[:, :n_context], input_ids[:, n_context:]
+        return self.generate_rows([_one_row(input_ids)], max_new_tokens, stop_ids, [n_context])[0]
+
+    @torch.no_grad()
+    def generate_rows(self, prompts: list, max_new_tokens: int, stop_ids=(),
+                      n_context: list | None = None) -> list[list[int]]:
+        """Greedy decoding of B prompts (token rows of any lengths), each stopping on its own at
+        ``max_new_tokens`` or a token in ``stop_ids``. ``n_context[i]`` (None or the prompt's
+        length: query-aware) makes row i query-agnostic as :meth:`generate_query_agnostic`."""
+        prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        n_context = list(n_context) if n_context is not None else [None] * len(prompts)
+        cuts = []
+        for p, n in zip(prompts, n_context):
+            n = p.numel() if n is None else int(n)
+            if not 0 < n <= p.numel():
+                raise ValueError(f"n_context={n} must be in 1..{p.numel()} (the prompt's length)")
+            cuts.append(n)
+        contexts = [p[:n] for p, n in zip(prompts, cuts)]
+        queries = [p[n:] for p, n in zip(prompts, cuts)]
         if self.compressor is None:
-            name, state = cache_argument(self.model), {}
+            return self._plain_generate(contexts, queries, max_new_tokens, stop_ids)
+        return self._compressed_generate(contexts, queries, max_new_tokens, stop_ids)
 
-            def run(ids):
-                extra = {name: state["cache"]} if "cache" in state else {}
-                out = self.model(input_ids=ids, use_cache=True, **extra, **last_logits(self.model))
-                state["cache"] = returned_cache(out)
-                return out.logits[:, -1]
+    def _plain_generate(self, contexts, queries, max_new_tokens, stop_ids) -> list[list[int]]:
+        """The plain model with its own cache: left-padded rows, a 2-D mask and per-row positions
+        once any row is padded; finished rows ride along (their outputs are dropped)."""
+        name, b = cache_argument(self.model), len(contexts)
+        ctx = pad(contexts, "left", device=self.device)
+        asked = [i for i in range(b) if queries[i].numel()]
+        qry = pad(queries, "left", device=self.device) if asked else None
+        ragged = ctx.ragged or (qry is not None and qry.ragged)
+        state = {"mask": ctx.mask(), "cache": None}
 
-            def step(ids, pos):
-                if pos == 0:
-                    run(context)
-                    return run(query)
-                return run(ids)
+        def run(ids, positions):
+            extra = {name: state["cache"]} if state["cache"] is not None else {}
+            if ragged:
+                extra.update(attention_mask=state["mask"].long(), position_ids=positions)
+            out = self.model(input_ids=ids, use_cache=True, **extra, **last_logits(self.model))
+            state["cache"] = returned_cache(out)
+            return out.logits[:, -1]
 
-            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            self._record(PREFILL, [], len(new))
-            return new
-        comp = self.compressor
-        with comp.session():
-            ends, reads = [], []
+        logits = run(ctx.ids, ctx.positions())
+        if qry is not None:
+            state["mask"] = torch.cat([state["mask"], qry.mask()], 1)
+            ql = run(qry.ids, qry.positions([c.numel() for c in contexts]))
+            logits = logits.clone()
+            logits[asked] = ql[asked]
+        pos = [c.numel() + q.numel() for c, q in zip(contexts, queries)]
 
-            def step(ids, pos):
-                if pos == 0:
-                    comp.forward(context, 0, prefill=True, last=1)
-                    ends.append(comp.measured_bpd())
-                    logits = comp.forward(query, n_context, prefill=False, last=1)[:, -1]
-                else:
-                    logits = comp.forward(ids, pos, prefill=False, last=1)[:, -1]
-                read = comp.read_bpd()
-                if read is not None:  # of the query chunk (pos 0) only the last position predicts
-                    reads.append((read[0][-1:], read[1][-1:]) if pos == 0 else read)
-                return logits
+        def step(tokens, rows):
+            ids = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            ids[rows, 0] = torch.tensor(tokens, device=self.device)
+            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(b, 1)], 1)
+            positions = torch.tensor(pos, device=self.device)[:, None]
+            for i in rows:
+                pos[i] += 1
+            return run(ids, positions)[rows]
 
-            new = _greedy(step, input_ids, max_new_tokens, stop_ids)
-            # the first generated token is predicted by the query chunk's last position, which read
-            # the compressed context: it is a decode position here, not the prefill's prediction
-            self._record(PREFILL, reads, 0, ends[0], first_from_prefill=False)
+        new = _greedy_rows(logits, list(range(b)), step, max_new_tokens, stop_ids)
+        for i in range(b):
+            self._record(PREFILL, [], len(new[i]), row=i)
+        return new
+
+    def _compressed_generate(self, contexts, queries, max_new_tokens, stop_ids) -> list[list[int]]:
+        comp, b = self.compressor, len(contexts)
+        with comp.session(b):
+            ctx = pad(contexts, "left", device=self.device)
+            logits = comp.forward(ctx.ids, 0, prefill=True, last=1, padded=ctx)[:, -1]
+            ends = [comp.measured_bpd(i) for i in range(b)]
+            reads = [[] for _ in range(b)]
+            asked = [i for i in range(b) if queries[i].numel()]
+            if asked:
+                # the first generated token is predicted by the query chunk's last position, which
+                # read the compressed context: a decode position, not the prefill's prediction
+                qry = pad([queries[i] for i in asked], "left", device=self.device)
+                ql = comp.forward(qry.ids, [contexts[i].numel() for i in asked], prefill=False, last=1,
+                                  padded=qry, rows=asked)[:, -1]
+                logits = logits.clone()
+                logits[asked] = ql
+                for i in asked:
+                    read = comp.read_bpd(i)
+                    if read is not None:  # of the query chunk only the last position predicts
+                        reads[i].append((read[0][-1:], read[1][-1:]))
+            pos = [c.numel() + q.numel() for c, q in zip(contexts, queries)]
+
+            def step(tokens, rows):
+                ids = torch.tensor(tokens, device=self.device)[:, None]
+                out = comp.forward(ids, [pos[i] for i in rows], prefill=False, last=1, rows=rows)[:, -1]
+                for i in rows:
+                    pos[i] += 1
+                    read = comp.read_bpd(i)
+                    if read is not None:
+                        reads[i].append(read)
+                return out
+
+            new = _greedy_rows(logits, list(range(b)), step, max_new_tokens, stop_ids)
+            for i in range(b):
+                self._record(PREFILL, reads[i], 0, ends[i], first_from_prefill=i not in asked, row=i)
         return new
 
 
-def _greedy(step, input_ids: torch.Tensor, max_new_tokens: int, stop_ids) -> list[int]:
-    """Greedy loop over ``step(ids, start_position) -> last logits``: the prompt first, then one
-    token at a time."""
+def _one_row(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"a single sequence is [1, T]; got shape {tuple(input_ids.shape)} "
+                         "(batches go through the *_rows methods)")
+    return input_ids[0]
+
+
+def _greedy_rows(logits: torch.Tensor, rows: list[int], step, max_new_tokens: int, stop_ids) -> list[list[int]]:
+    """Greedy decoding of several rows: ``logits`` [len(rows), V] predict each row's first token;
+    ``step(tokens, rows) -> logits`` feeds one token to each row still running. A row stops at a
+    token in ``stop_ids`` or after ``max_new_tokens``; one host sync per step for all rows."""
     stop = set(int(s) for s in stop_ids)
-    logits = step(input_ids, 0)
-    pos, new = input_ids.shape[1], []
-    for _ in range(max_new_tokens):
-        token = int(logits.argmax(-1))
-        new.append(token)
-        if token in stop or len(new) == max_new_tokens:
+    new = {i: [] for i in rows}
+    while rows and max_new_tokens > 0:
+        tokens = logits.argmax(-1).tolist()
+        running, feed = [], []
+        for i, token in zip(rows, tokens):
+            new[i].append(token)
+            if token not in stop and len(new[i]) < max_new_tokens:
+                running.append(i)
+                feed.append(token)
+        if not running:
             break
-        logits = step(torch.tensor([[token]], device=input_ids.device), pos)
-        pos += 1
-    return new
+        logits = step(feed, running)
+        rows = running
+    return [new[i] for i in sorted(new)]

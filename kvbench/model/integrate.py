@@ -30,6 +30,8 @@ import torch
 
 from methods import KVMethod, ModelShape, Rope
 
+from .batching import Padded
+
 ATTN_IMPLEMENTATION = "kvbench"
 
 
@@ -117,94 +119,143 @@ def _register() -> None:
 
 @dataclass
 class Compressor:
-    """A method attached to a model: what :func:`attached` yields."""
+    """A method attached to a model: what :func:`attached` yields.
+
+    Rows: a forward pass may carry B token rows, padded (:mod:`kvbench.model.batching`). Each row
+    has its own layer states (inside a session: ``states[row][layer]``; in a Q-all pass: fresh
+    ones), and :meth:`attend` hands each row only its real tokens, so padding never reaches a
+    method and every row computes and measures what it would alone. The bookkeeping is per row:
+    :meth:`read_bpd` and :meth:`measured_bpd` take the row."""
 
     model: torch.nn.Module
     method: KVMethod
     shape: ModelShape
+    #: inside a session: per row, one layer state per layer
     states: list | None = None
     prefill: bool = False
-    #: per layer (bits_k, bits_v, tokens) after the last forward pass
+    #: per row, per layer (bits_k, bits_v, tokens) after the row's last forward pass
     last_bits: list = field(default_factory=list)
-    #: per layer, what each query of the last forward pass read (``LayerState.read_bits``)
+    #: per row, per layer what each query of the row's last forward pass read (``LayerState.read_bits``)
     last_reads: list = field(default_factory=list)
     _k_pre: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
     _handles: list = field(default_factory=list)
     _previous_impl: str | None = None
+    #: the layout of the pass under way: its padding (None: every column is real) and the session
+    #: row of each input row (None: input row i is row i)
+    _padded: Padded | None = None
+    _rows: list | None = None
+
+    def _row_lists(self, n: int) -> None:
+        empty = [(0, 0, 0)] * self.shape.n_layers
+        while len(self.last_bits) < n:
+            self.last_bits.append(list(empty))
+            self.last_reads.append([None] * self.shape.n_layers)
 
     def attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
-        state = self.states[layer] if self.states is not None else self.method.new_layer_state(layer)
         cos, sin = self._rope.pop(layer)
-        out = state.attend(
-            q,
-            k,
-            v,
-            scaling=scaling,
-            prefill=self.prefill,
-            k_pre=self._k_pre.pop(layer, None),
-            rope=Rope(cos, sin),
-        )
-        bits_k, bits_v = state.stored_bits()
-        self.last_bits[layer] = (bits_k, bits_v, state.n_seen)
-        self.last_reads[layer] = state.read_bits()
+        k_pre = self._k_pre.pop(layer, None)
+        b, t = q.shape[0], q.shape[2]
+        rows = self._rows or list(range(b))
+        self._row_lists(max(rows) + 1)
+        if b == 1 and (self._padded is None or not self._padded.ragged):
+            return self._attend_row(rows[0], layer, q, k, v, k_pre, Rope(cos, sin), scaling)
+        out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+        for i, row in enumerate(rows):
+            cols = self._padded.valid(i) if self._padded is not None else slice(0, t)
+            if cols.start == cols.stop:
+                continue
+            ci = slice(i, i + 1) if cos.shape[0] > 1 else slice(0, 1)
+            out[i:i + 1, :, cols] = self._attend_row(
+                row, layer, q[i:i + 1, :, cols], k[i:i + 1, :, cols], v[i:i + 1, :, cols],
+                None if k_pre is None else k_pre[i:i + 1, :, cols], Rope(cos[ci, cols], sin[ci, cols]), scaling,
+            )
         return out
 
-    def read_bpd(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """bpd_K, bpd_V [T] that each query of the last forward pass read (docs/methods.md §0 v2):
-        the bits all layers held when query i read them / ((n0 + i + 1) N d); None when that pass
-        was an exact prefill."""
-        if not self.last_reads or any(r is None for r in self.last_reads):
+    def _attend_row(self, row: int, layer: int, q, k, v, k_pre, rope: Rope, scaling: float) -> torch.Tensor:
+        state = self.states[row][layer] if self.states is not None else self.method.new_layer_state(layer)
+        out = state.attend(q, k, v, scaling=scaling, prefill=self.prefill, k_pre=k_pre, rope=rope)
+        bits_k, bits_v = state.stored_bits()
+        self.last_bits[row][layer] = (bits_k, bits_v, state.n_seen)
+        self.last_reads[row][layer] = state.read_bits()
+        return out
+
+    def read_bpd(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """bpd_K, bpd_V [T] that each query of ``row``'s last forward pass read (docs/methods.md
+        §0 v2): the bits all layers held when query i read them / ((n0 + i + 1) N d); None when
+        that pass was an exact prefill."""
+        reads = self.last_reads[row] if row < len(self.last_reads) else None
+        if not reads or any(r is None for r in reads):
             return None
-        bits_k = sum(r[0] for r in self.last_reads)
-        bits_v = sum(r[1] for r in self.last_reads)
-        t, seen = bits_k.shape[0], self.last_bits[0][2]
+        bits_k = sum(r[0] for r in reads)
+        bits_v = sum(r[1] for r in reads)
+        t, seen = bits_k.shape[0], self.last_bits[row][0][2]
         tokens = torch.arange(seen - t + 1, seen + 1, dtype=torch.float64)
-        elements = tokens * (self.shape.n_heads_total * self.shape.head_dim * self._batch)
+        elements = tokens * (self.shape.n_heads_total * self.shape.head_dim)
         return bits_k / elements, bits_v / elements
 
-    def measured_bpd(self) -> tuple[float, float]:
-        """bpd_K, bpd_V of the cache after the last pass: stored bits / (T * N * d), docs/methods.md §0."""
-        bits_k = sum(b[0] for b in self.last_bits)
-        bits_v = sum(b[1] for b in self.last_bits)
-        tokens = self.last_bits[0][2] if self.last_bits else 0
-        batch = self._batch
-        elements = tokens * self.shape.n_heads_total * self.shape.head_dim * batch
+    def measured_bpd(self, row: int = 0) -> tuple[float, float]:
+        """bpd_K, bpd_V of ``row``'s cache after its last pass: stored bits / (T * N * d),
+        docs/methods.md §0."""
+        bits = self.last_bits[row] if row < len(self.last_bits) else []
+        tokens = bits[0][2] if bits else 0
+        elements = tokens * self.shape.n_heads_total * self.shape.head_dim
         if elements == 0:
             return float("nan"), float("nan")
-        return bits_k / elements, bits_v / elements
-
-    _batch: int = 1
+        return sum(b[0] for b in bits) / elements, sum(b[1] for b in bits) / elements
 
     @contextlib.contextmanager
-    def session(self):
-        """A persistent compressed cache for the forward passes inside the block."""
-        self.states = [self.method.new_layer_state(i) for i in range(self.shape.n_layers)]
+    def layout(self, padded: Padded | None, rows: list | None = None):
+        """The block's forward passes carry ``padded``'s rows (None: unpadded), input row i being
+        session row ``rows[i]`` (default i)."""
+        self._padded, self._rows = padded, rows
+        try:
+            yield
+        finally:
+            self._padded = self._rows = None
+
+    @contextlib.contextmanager
+    def session(self, rows: int = 1):
+        """A persistent compressed cache of ``rows`` sequences for the forward passes inside the
+        block."""
+        self.states = [[self.method.new_layer_state(i) for i in range(self.shape.n_layers)]
+                       for _ in range(rows)]
+        self.last_bits, self.last_reads = [], []
         try:
             yield self
         finally:
             self.states = None
             self.prefill = False
 
-    def forward(self, input_ids: torch.Tensor, start: int, prefill: bool, last: int = 0) -> torch.Tensor:
-        """Run new tokens at positions ``start..`` through the open session; returns logits
-        [B, T, V], or those of the last ``last`` positions only ([B, last, V]; 0 = all)."""
+    def forward(self, input_ids: torch.Tensor, start, prefill: bool, last: int = 0,
+                padded: Padded | None = None, rows: list | None = None) -> torch.Tensor:
+        """Run new tokens through the open session; returns logits [B, T, V], or those of the
+        last ``last`` columns only ([B, last, V]; 0 = all). ``start``: the position of each row's
+        first new token (an int for every row alike, or one per row); ``padded``: the rows'
+        padding (None: every column is real; its ``ids`` are ``input_ids``); ``rows``: the
+        session row of each input row (default: input row i is row i)."""
         if self.states is None:
             raise RuntimeError("forward() needs an open session(); plain model(...) is Q-all")
         self.prefill = prefill
-        t = input_ids.shape[1]
-        positions = torch.arange(start, start + t, device=input_ids.device)
-        positions = positions[None].expand(input_ids.shape[0], t)
+        b, t = input_ids.shape
+        starts = [start] * b if isinstance(start, int) else list(start)
+        if padded is not None and padded.ragged:
+            positions = padded.positions(starts)
+        elif len(set(starts)) == 1:
+            positions = torch.arange(starts[0], starts[0] + t, device=input_ids.device)[None].expand(b, t)
+        else:
+            positions = torch.tensor(starts, device=input_ids.device)[:, None] + torch.arange(t, device=input_ids.device)
         extra = last_logits(self.model, last) if last else {}
         # An explicit (all-true) 2D padding mask: given position_ids, no mask and no cache,
         # transformers (5.17, 5.24) checks the positions for packed sequences, a device->host sync
-        # per forward pass, i.e. per decode step. The mask function
-        # registered for "kvbench" returns None either way.
-        mask = torch.ones(input_ids.shape[0], start + t, dtype=torch.bool, device=input_ids.device)
+        # per forward pass, i.e. per decode step. The mask function registered for "kvbench"
+        # returns None either way: each row's states see only its real tokens.
+        mask = torch.ones(b, max(starts) + t, dtype=torch.bool, device=input_ids.device)
         try:
-            logits = self.model(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra
-            ).logits
+            with self.layout(padded if padded is not None and padded.ragged else None, rows):
+                logits = self.model(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra
+                ).logits
         finally:
             self.prefill = False
         return logits[:, -last:] if last else logits
@@ -225,8 +276,6 @@ def attach(model, method: KVMethod) -> Compressor:
     _register()
     shape = model_shape(model)
     comp = Compressor(model=model, method=method, shape=shape)
-    comp.last_bits = [(0, 0, 0)] * shape.n_layers
-    comp.last_reads = [None] * shape.n_layers
     comp._previous_impl = model.config._attn_implementation
     for idx, module in enumerate(attention_modules(model)):
         if getattr(module, "_kvbench", None) is not None:
@@ -236,7 +285,6 @@ def attach(model, method: KVMethod) -> Compressor:
         def keep_k_pre(mod, args, output, idx=idx):
             b, t = output.shape[:2]
             comp._k_pre[idx] = output.view(b, t, -1, shape.head_dim).transpose(1, 2)
-            comp._batch = b
 
         def keep_rope(mod, args, kwargs, idx=idx):
             pe = kwargs.get("position_embeddings")

@@ -25,31 +25,48 @@ TRACKS = ("A", "B")
 
 def window_nll(lm: CompressedLM, window: torch.Tensor, track: str, context: int | None) -> tuple[float, int]:
     """(summed NLL, predicted tokens) of one window [T]."""
-    ids = window[None]
+    return batch_nll(lm, [window], track, context)[0]
+
+
+def batch_nll(lm: CompressedLM, windows: list, track: str, context: int | None) -> list[tuple[float, int]]:
+    """(summed NLL, predicted tokens) of each of equal-length windows [T], scored in one batch."""
+    ids = torch.stack(list(windows))
     if track == "A":
         logits = lm.logits(ids)[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).to(logits.device),
-            reduction="sum",
-        )
-        return float(nll), ids.shape[1] - 1
+        targets = ids[:, 1:].to(logits.device)
+        out = []
+        for i in range(ids.shape[0]):
+            nll = torch.nn.functional.cross_entropy(logits[i], targets[i], reduction="sum")
+            out.append((float(nll), ids.shape[1] - 1))
+        return out
     if track == "B":
         if context is None or not 0 < context < ids.shape[1]:
             raise ValueError(f"track B context={context} must lie inside the window ({ids.shape[1]})")
-        logprobs = lm.score(ids[:, :context], ids[:, context:])
-        return float(-logprobs.sum()), ids.shape[1] - context
+        logprobs = lm.score_rows(list(ids[:, :context]), list(ids[:, context:]))
+        return [(float(-lp.sum()), ids.shape[1] - context) for lp in logprobs]
     raise ValueError(f"unknown perplexity track {track!r}; valid choices: {', '.join(TRACKS)}")
 
 
 def perplexity(lm: CompressedLM, windows, track: str = "A", context: int | None = None,
-               each: Callable[[float, int], None] | None = None) -> float:
-    """Perplexity of ``windows`` (an iterable of [T] token windows) through ``lm``; ``each(nll,
-    count)``, when given, sees every window's summed NLL and predicted tokens as it is scored (the
-    ``ppl`` task's live progress)."""
-    total, n = 0.0, 0
+               each: Callable[[float, int], None] | None = None, batch_size: int = 1) -> float:
+    """Perplexity of ``windows`` (an iterable of [T] token windows) through ``lm``, ``batch_size``
+    windows per pass; ``each(nll, count)``, when given, sees every window's summed NLL and
+    predicted tokens in window order as it is scored (the ``ppl`` task's live progress). The sum
+    runs in window order whatever the batch, so a batch gives what its windows give one by one."""
+    total, n, batch = 0.0, 0, []
+
+    def flush():
+        nonlocal total, n
+        for nll, count in batch_nll(lm, batch, track, context):
+            total, n = total + nll, n + count
+            if each is not None:
+                each(nll, count)
+        batch.clear()
+
     for window in windows:
-        nll, count = window_nll(lm, window, track, context)
-        total, n = total + nll, n + count
-        if each is not None:
-            each(nll, count)
+        batch.append(window)
+        if len(batch) == batch_size:
+            flush()
+    if batch:
+        flush()
     return math.exp(total / n)

@@ -2,7 +2,8 @@
 
 A job's identity is the SHA-256 of its resolved config with the keys that cannot change its
 result removed: where it writes (``hydra.*``, output paths), whether to redo it (``rerun``), how it
-is tracked (``wandb.*``) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
+is tracked (``wandb.*``), how many items run at a time (``task.batch_size``: a batch gives what its
+rows give alone, docs/design.md §2.1) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
 ``frontier_row``, ``ruler_row``, ``baseline_row``: the rows of conf/experiment/* only select other
 keys, which are hashed themselves). Everything else —
 model, method and its options, budgets, seed, tasks, limits, protocol and calibration settings,
@@ -29,6 +30,8 @@ from .results import FINISHED
 #: top-level keys left out of the identity (they do not change what the job computes)
 EXCLUDED_KEYS = frozenset({"hydra", "rerun", "wandb", "experiment", "main_row", "ablation_row",
                            "frontier_row", "ruler_row", "baseline_row"})
+#: keys inside a section left out of the identity (section, key)
+EXCLUDED_NESTED = (("task", "batch_size"),)
 ID_LENGTH = 16
 
 
@@ -53,6 +56,9 @@ def identity_config(cfg: DictConfig | Mapping) -> dict:
         value = cfg[key]
         out[key] = _normalize(OmegaConf.to_container(value, resolve=True)
                               if OmegaConf.is_config(value) else value)
+    for section, key in EXCLUDED_NESTED:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
     return out
 
 

@@ -42,15 +42,14 @@ import time
 import zipfile
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from ..context import Progress, no_progress
 from .f1 import best_f1, best_f1_zh, dataset_score
-from .generation import apply_chat, context_window, generate_with_protocol, stop_token_ids
+from .generation import answer_items, apply_chat, context_window, protocol_prompt, stop_token_ids
 from .longqa_squad import evaluate_longqa_squad
 from .query_protocol import protocol, query_aware_setting, template_tail
+from .batch_size import generation_batch_size
 from .registry import register_task, task_limit
-from .reporting import bpd_since, item_progress, mark
+from .reporting import item_progress
 from .longbench_prompts import (
     CHINESE_F1,
     DATASET2MAXLEN,
@@ -230,35 +229,23 @@ def fit_context(max_length: int, max_new_tokens: int, window: int | None, datase
 
 def evaluate_dataset(
     lm, dataset: str, items: list[dict], max_length: int, chat: bool, query_aware: bool = True,
-    progress: Progress = no_progress,
+    progress: Progress = no_progress, batch_size: int = 1,
 ) -> list[dict]:
     stop_ids = stop_token_ids(lm.model, lm.tokenizer)
     max_length = fit_context(max_length, DATASET2MAXLEN[dataset], context_window(lm.model), dataset)
-    records = []
-    report = item_progress(lm, f"longbench/{dataset}", progress)
-    for item in tqdm(items, desc=f"longbench {dataset}", unit="item"):
-        prompt = build_prompt(item, dataset, lm.tokenizer, max_length, chat)
-        start = mark(lm)
-        pred, how = generate_with_protocol(
-            lm, prompt["text"], prompt["input_ids"], template_tail(DATASET2PROMPT[dataset], item),
-            not prompt["chat"], DATASET2MAXLEN[dataset], stop_ids, query_aware,
-        )
-        records.append(
-            {
-                "_id": item.get("_id"),
-                "prediction": pred,
-                "answers": list(item["answers"]),
-                "f1": score_item(dataset, pred, item["answers"]),
-                "length": item.get("length"),
-                "prompt_tokens": len(prompt["input_ids"]),
-                "truncated": prompt["truncated"],
-                "max_length": max_length,
-                **how,
-                **bpd_since(lm, start),  # the bits this item read
-            }
-        )
-        report(records)
-    return records
+    built = [build_prompt(item, dataset, lm.tokenizer, max_length, chat) for item in items]
+    prompts = [protocol_prompt(lm.tokenizer, b["text"], b["input_ids"], template_tail(DATASET2PROMPT[dataset], item),
+                               not b["chat"], query_aware) for b, item in zip(built, items)]
+
+    def make_record(i: int, pred: str) -> dict:
+        item = items[i]
+        return {"_id": item.get("_id"), "prediction": pred, "answers": list(item["answers"]),
+                "f1": score_item(dataset, pred, item["answers"]), "length": item.get("length"),
+                "prompt_tokens": len(built[i]["input_ids"]), "truncated": built[i]["truncated"],
+                "max_length": max_length}
+
+    return answer_items(lm, prompts, DATASET2MAXLEN[dataset], stop_ids, batch_size, make_record,
+                        item_progress(lm, f"longbench/{dataset}", progress), f"longbench {dataset}")
 
 
 def evaluate_longbench(
@@ -270,11 +257,12 @@ def evaluate_longbench(
     chat: bool = False,
     query_aware: bool = True,
     progress: Progress = no_progress,
+    batch_size: int = 1,
 ) -> dict:
     """LongBench F1 of ``lm`` (a CompressedLM) on ``datasets`` (docs/methods.md §9.3).
 
     ``query_aware`` (default, the paper's protocol) prefills the whole prompt; ``False`` is the
-    query-agnostic protocol of docs/methods.md §9.5 (:func:`generate_with_protocol`). The result's
+    query-agnostic protocol of docs/methods.md §9.5 (:func:`kvbench.tasks.generation.protocol_prompt`). The result's
     ``protocol`` says which.
 
     Returns ``{name: score (0-100), "avg": mean of the English scores, "avg_sets", ["avg8": the
@@ -293,7 +281,7 @@ def evaluate_longbench(
     loaded = {name: load_longbench(name, data_dir, limit) for name in datasets}  # fail early
     scores, counts, records = {}, {}, {}
     for name in datasets:
-        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat, query_aware, progress)
+        recs = evaluate_dataset(lm, name, loaded[name], max_length, chat, query_aware, progress, batch_size)
         records[name], counts[name] = recs, len(recs)
         scores[name] = dataset_score([r["f1"] for r in recs])
         log.info("longbench %s: %.2f over %d items", name, scores[name], len(recs))
@@ -317,17 +305,21 @@ def run_longbench(job, lm, result: dict, progress: Progress = no_progress) -> No
     datasets = list(lb.datasets)
     real = [d for d in datasets if d != "longqa_squad"]
     query_aware = query_aware_setting(lb, "task.longbench", True)
+    # the longest prompt: LongBench's max_length, or longqa_squad's 4000 tokens and its template
+    longest = min(int(lb.max_length) if real else 4096, context_window(lm.model) or int(lb.max_length))
+    batch = generation_batch_size(job, lm, "longbench", result, longest)
     if "longqa_squad" in datasets:
         # the task's own item seed, never the job's: every method and job seed gets the same items
         out = evaluate_longqa_squad(lm, n_items=task_limit(job, lb) or 20,
                                     item_seed=int(lb.get("item_seed", 0)), query_aware=query_aware,
-                                    progress=progress)
+                                    progress=progress, batch_size=batch)
         result["predictions"]["longqa_squad"] = out.pop("records")
         result["counts"]["longqa_squad_items"] = out["n"]
         result["metrics"]["longqa_squad"] = out
     if real:
         out = evaluate_longbench(lm, real, lb.get("data_dir"), task_limit(job, lb), lb.max_length,
-                                 bool(job.model.chat), query_aware=query_aware, progress=progress)
+                                 bool(job.model.chat), query_aware=query_aware, progress=progress,
+                                 batch_size=batch)
         result["predictions"]["longbench"] = out.pop("records")
         result["counts"]["longbench_items"] = out.pop("counts")
         result["metrics"]["longbench"] = out

@@ -37,14 +37,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from ..context import Progress, no_progress
 from .f1 import best_f1, dataset_score
-from .generation import apply_chat, generate_with_protocol, stop_token_ids
+from .generation import answer_items, apply_chat, protocol_prompt, stop_token_ids
 from .query_protocol import protocol, template_tail
 from .longbench_prompts import DATASET2PROMPT
-from .reporting import bpd_since, item_progress, mark
+from .reporting import item_progress
 
 PROMPT = DATASET2PROMPT["multifieldqa_en"]
 MAX_NEW_TOKENS = 32
@@ -169,7 +167,7 @@ def build_items(
 
 def evaluate_longqa_squad(
     lm, n_items: int = 20, item_seed: int = 0, target_tokens=(2000, 4000), chat: bool | None = None,
-    query_aware: bool = True, progress: Progress = no_progress,
+    query_aware: bool = True, progress: Progress = no_progress, batch_size: int = 1,
 ) -> dict:
     """F1 (0-100) of ``lm`` (a CompressedLM) on ``n_items`` longqa_squad items.
 
@@ -177,7 +175,8 @@ def evaluate_longqa_squad(
     ``chat=None`` uses the chat template when the tokenizer has one (instruct models).
     ``query_aware`` (default) prefills the whole prompt; ``False`` compresses the passages alone
     and feeds the question (the template's text after ``{context}``) with decode semantics
-    (docs/methods.md §9.5, :func:`kvbench.tasks.generation.generate_with_protocol`).
+    (docs/methods.md §9.5, :func:`kvbench.tasks.generation.protocol_prompt`).
+    ``batch_size`` items are generated at a time (a batch gives what its items give alone).
     Returns ``{"f1", "n", "records", "item_seed", "item_ids", "target_tokens", "chat",
     "protocol", "eval_s"}``.
     """
@@ -185,31 +184,22 @@ def evaluate_longqa_squad(
     tok = lm.tokenizer
     use_chat = getattr(tok, "chat_template", None) is not None if chat is None else bool(chat)
     stop_ids = stop_token_ids(lm.model, tok)
-    records = []
     items = build_items(tok, n_items, item_seed, target_tokens)
-    report = item_progress(lm, "longqa_squad", progress)
-    for item in tqdm(items, desc="longqa_squad", unit="item"):
+    prompts = []
+    for item in items:
         text = apply_chat(tok, item["prompt"]) if use_chat else item["prompt"]
         ids = tok(text, add_special_tokens=not use_chat)["input_ids"]
         tail = template_tail(PROMPT, {"input": item["question"]})
-        start = mark(lm)
-        pred, how = generate_with_protocol(
-            lm, text, ids, tail, not use_chat, MAX_NEW_TOKENS, stop_ids, query_aware
-        )
-        records.append(
-            {
-                "id": item["id"],
-                "prediction": pred,
-                "answers": item["answers"],
-                "f1": best_f1(pred, item["answers"]),
-                "prompt_tokens": len(ids),
-                "gold_position": item["gold_position"],
-                "n_passages": item["n_passages"],
-                **how,
-                **bpd_since(lm, start),  # the bits this item read
-            }
-        )
-        report(records)
+        prompts.append(protocol_prompt(tok, text, ids, tail, not use_chat, query_aware))
+
+    def make_record(i: int, pred: str) -> dict:
+        item = items[i]
+        return {"id": item["id"], "prediction": pred, "answers": item["answers"],
+                "f1": best_f1(pred, item["answers"]), "prompt_tokens": len(prompts[i].ids),
+                "gold_position": item["gold_position"], "n_passages": item["n_passages"]}
+
+    records = answer_items(lm, prompts, MAX_NEW_TOKENS, stop_ids, batch_size, make_record,
+                           item_progress(lm, "longqa_squad", progress), "longqa_squad")
     return {
         "f1": dataset_score([r["f1"] for r in records]),
         "n": len(records),

@@ -23,6 +23,7 @@ from ..context import Progress, no_progress
 from ..data.windows import ppl_windows
 from ..model.compressed_lm import CompressedLM
 from ..model.perplexity import perplexity
+from .batch_size import scoring_probe, task_batch_size
 from .registry import register_task, task_limit
 from .reporting import RunningBpd, exp
 
@@ -38,13 +39,17 @@ def evaluate_ppl(
     context: int = 1536,
     data_dirs: dict | None = None,
     progress: Progress = no_progress,
+    batch_size: int = 1,
 ) -> dict:
+    """Per-dataset PPL of ``lm``; ``batch_size`` windows per pass (a batch gives what its windows
+    give one by one)."""
     data_dirs = data_dirs or {}
     ppl, counts = {}, {}
     for name in datasets:
         windows = ppl_windows(lm.tokenizer, name, seqlen, limit, data_dirs.get(name))
         bar = tqdm(windows, desc=f"ppl {name} (track {track})", unit="window")
-        ppl[name] = perplexity(lm, bar, track, context, each=window_progress(lm, f"ppl/{name}", progress))
+        ppl[name] = perplexity(lm, bar, track, context, each=window_progress(lm, f"ppl/{name}", progress),
+                               batch_size=batch_size)
         counts[name] = len(windows)
         log.info("ppl %s = %.4f over %d windows of %d tokens", name, ppl[name], len(windows), seqlen)
     values = list(ppl.values())
@@ -78,10 +83,11 @@ def window_progress(lm: CompressedLM, section: str, progress: Progress):
 @register_task("ppl")
 def run_ppl(job, lm: CompressedLM, result: dict, progress: Progress = no_progress) -> None:
     p = job.task.ppl
+    probe = scoring_probe(lm, p.seqlen, p.seqlen - p.context if p.track == "B" else None)
     out = evaluate_ppl(
         lm, list(p.datasets), p.seqlen, task_limit(job, p), p.track, p.context,
         OmegaConf.to_container(p.data_dir, resolve=True) if p.get("data_dir") else {},
-        progress,
+        progress, task_batch_size(job, lm, "ppl", result, probe),
     )
     result["metrics"]["ppl"] = out["ppl"]
     result["counts"]["ppl_windows"] = out["windows"]

@@ -23,10 +23,16 @@ def bpd_since(lm, start: int) -> dict:
     """``{"bpd_k", "bpd_v"}``: the measured bpd pooled over ``lm``'s readings from ``start`` on
     (bits per element); ``{}`` when there are none."""
     readings = getattr(lm, "readings", None)
-    pooled = summarize_readings(readings[start:]) if readings else None
-    if pooled is None:
-        return {}
-    return {"bpd_k": pooled["measured_k"], "bpd_v": pooled["measured_v"]}
+    return _bpd(summarize_readings(readings[start:]) if readings else None)
+
+
+def reading_bpd(reading) -> dict:
+    """``{"bpd_k", "bpd_v"}`` of one call's reading (``{}`` for None)."""
+    return _bpd(summarize_readings([reading]) if reading is not None else None)
+
+
+def _bpd(pooled: dict | None) -> dict:
+    return {} if pooled is None else {"bpd_k": pooled["measured_k"], "bpd_v": pooled["measured_v"]}
 
 
 class RunningBpd:

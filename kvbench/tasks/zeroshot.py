@@ -1,14 +1,15 @@
 """Zero-shot accuracy through lm-eval (docs/methods.md §9.2).
 
-lm-eval's own task definitions and metrics, 0-shot, batch 1 (so padding cannot interact with
-compression), on a model wrapped in a :class:`CompressedLM`:
+lm-eval's own task definitions and metrics, 0-shot, on a model wrapped in a :class:`CompressedLM`,
+``task.batch_size`` requests at a time, longest first (lm-eval's order); a batch gives what its
+requests give alone (docs/design.md §2.1):
 
-* methods with an in-pass simulation (``supports_in_pass``: the quantizers, H2O; FP16) score every
-  request in one teacher-forced pass: lm-eval's ``_model_call`` is routed to
-  ``CompressedLM.logits`` (Q-all over context + continuation; one request per pass, its measured
-  bpd taken over the positions that predict the continuation);
+* methods with an in-pass simulation (``supports_in_pass``: the quantizers, H2O; FP16) score a
+  batch of requests in one teacher-forced pass through ``CompressedLM.logits`` (Q-all over
+  context + continuation, right-padded; each request's measured bpd taken over the positions that
+  predict its continuation);
 * SnapKV (``supports_in_pass == False``) scores each (context, continuation) request through
-  ``CompressedLM.score``: prefill the context exactly, compress, then score the continuation
+  ``CompressedLM.score_rows``: prefill the context exactly, compress, then score the continuation
   through the compressed cache.
 
 Precision: every request's log-softmax runs in float32 (lm-eval's ``softmax_dtype=float32``), as
@@ -44,6 +45,7 @@ import time
 import torch
 
 from ..context import Progress, no_progress
+from .batch_size import batch_setting
 from .lm_eval_tasks import LOCAL_TASKS, evaluated_split, write_local_tasks
 from .registry import register_task, task_limit
 from .reporting import percent
@@ -128,12 +130,12 @@ def quiet_lm_eval(level: int = logging.WARNING):
             datasets.utils.logging.enable_progress_bar()
 
 
-def compressed_hflm(lm, max_length: int | None = None):
-    """An lm-eval ``HFLM`` over ``lm.model``/``lm.tokenizer`` whose scoring goes through ``lm``
-    (:class:`kvbench.tasks.hflm.CompressedHFLM`)."""
+def compressed_hflm(lm, max_length: int | None = None, batch_size: int | str = 1):
+    """An lm-eval ``HFLM`` over ``lm.model``/``lm.tokenizer`` whose scoring goes through ``lm``,
+    ``batch_size`` requests at a time (:class:`kvbench.tasks.hflm.CompressedHFLM`)."""
     from .hflm import CompressedHFLM
 
-    return CompressedHFLM(lm, max_length=max_length, softmax_dtype=SOFTMAX_DTYPE)
+    return CompressedHFLM(lm, max_length=max_length, softmax_dtype=SOFTMAX_DTYPE, batch_size=batch_size)
 
 
 def task_manager(tasks: list[str], offline: bool, workdir: str):
@@ -191,11 +193,14 @@ def evaluate_zeroshot(
     offline: str | bool = "auto",
     max_length: int | None = None,
     progress: Progress = no_progress,
+    batch_size: int | str = 1,
 ) -> dict:
-    """Zero-shot accuracy of ``lm`` (a CompressedLM) on lm-eval ``tasks`` (docs/methods.md §9.2).
+    """Zero-shot accuracy of ``lm`` (a CompressedLM) on lm-eval ``tasks`` (docs/methods.md §9.2),
+    ``batch_size`` requests at a time (``"auto"``: the largest that fits the device).
 
     Returns ``{task: headline metric, "avg": mean, "acc": {...}, "acc_norm": {...},
-    "metric": {...}, "counts": {...}, "split": {...}, "source": ..., "eval_s": ...}``.
+    "metric": {...}, "counts": {...}, "split": {...}, "source": ..., "eval_s": ...,
+    "batch_size": the batch the requests ran at}``.
     """
     tasks = list(tasks)
     is_offline = resolve_offline(offline)
@@ -208,11 +213,12 @@ def evaluate_zeroshot(
             )
     t0 = time.perf_counter()
     with quiet_lm_eval():
-        model = compressed_hflm(lm, max_length=max_length)
+        model = compressed_hflm(lm, max_length=max_length, batch_size=batch_size)
         model.progress = progress
         out = run_lm_eval(model, tasks, limit, seed, is_offline)
     result = summarize(out, tasks, is_offline)
     result["eval_s"] = round(time.perf_counter() - t0, 2)
+    result["batch_size"] = model.rows_used
     report_tasks(result, tasks, progress)
     return result
 
@@ -228,5 +234,7 @@ def report_tasks(result: dict, tasks: list[str], progress: Progress) -> None:
 @register_task("zeroshot")
 def run_zeroshot(job, lm, result: dict, progress: Progress = no_progress) -> None:
     z = job.task.zeroshot
-    result["metrics"]["zeroshot"] = evaluate_zeroshot(lm, list(z.tasks), task_limit(job, z), job.seed,
-                                                      progress=progress)
+    out = evaluate_zeroshot(lm, list(z.tasks), task_limit(job, z), job.seed, progress=progress,
+                            batch_size=batch_setting(job, lm))
+    result.setdefault("batch_size", {})["zeroshot"] = out.pop("batch_size")
+    result["metrics"]["zeroshot"] = out

@@ -1,0 +1,141 @@
+"""A batch gives what its rows give alone (docs/design.md §2.1, METHODS §0.3).
+
+For every registered method, on the tiny random Llama in float64: a batch of rows of different
+lengths (padded) gives each row's logits to 1e-9 of that row run alone, the same greedy tokens and
+the same measured bpd (headline, end of sequence, end of prefill, scored positions), in the three
+operations the tasks use: Q-all logits (right padding, lm-eval's layout), prefill-exact scoring and
+greedy generation (left padding; query-aware and query-agnostic rows mixed in one batch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from kvbench.fit.statistics import collect_stats
+from kvbench.model.compressed_lm import CompressedLM
+from kvbench.model.integrate import attach, model_shape
+from methods import REGISTRY, Regime, build_method
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
+
+KIVI = {"bits": 2, "group": 16, "v_bits": 2, "v_group": 16, "residual": 16}
+#: (case id, method, options, bpd, v_bpd): every registered method, budgets that exercise its
+#: machinery (groups, residual windows, eviction, outliers) on rows of 20-48 tokens
+CASES = [
+    ("fp16", "fp16", {}, None, None),
+    ("kivi", "kivi", {"residual": 16, "group": 16, "v_group": 16}, 6.0, 5.0),
+    ("svdq", "svdq", {"group": 8}, 8.0, None),
+    ("kqsvd", "kqsvd", {}, 1.0, 4.0),
+    ("cobra_mse", "cobra_mse", {}, 1.0, None),
+    ("cobra_kl", "cobra_kl", {}, 0.5, 4.0),
+    ("cobra_plus", "cobra_plus", {}, 1.0, 4.0),
+    ("gear", "gear", {"block": 8, "group": 8, "sparsity": 0.25, "rank": 2, "v_bits": 3, "v_group": 8,
+                      "v_sparsity": 0.1, "v_rank": 1}, 4.0, 3.0),
+    ("turboquant", "turboquant", {}, 2.0, 3.0),
+    ("kvquant", "kvquant", {"bits": 2, "v_bits": 3, "outliers": 0.05}, 2.0, 3.0),
+    ("h2o", "h2o", {"min_budget": 4}, 8.0, None),
+    ("snapkv", "snapkv", {"window": 4, "kernel": 3}, 4.0, None),
+    ("snapkv_evict", "snapkv", {"window": 4, "kernel": 3, "decode": "evict", "decode_interval": 4}, 4.0, None),
+    ("compose_h2o_kivi", "compose", {"evict": "h2o", "codec": "kivi", "keep": 0.5, "codec_options": KIVI}, None, None),
+    ("compose_snapkv_cobra_kl", "compose", {"evict": "snapkv", "codec": "cobra_kl", "keep": 0.5,
+                                            "evict_options": {"window": 4, "kernel": 3}}, 1.0, 4.0),
+]
+IDS = [c[0] for c in CASES]
+
+
+def test_every_registered_method_has_a_case():
+    assert {c[1] for c in CASES} == set(REGISTRY)
+
+
+@pytest.fixture(scope="module")
+def model_and_stats():
+    model = tiny_llama(seed=1).to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    return model, collect_stats(model, torch.randint(0, 128, (4, 64), generator=g), sample_tokens=256)
+
+
+def _lm(model, stats, case) -> CompressedLM:
+    _, name, options, bpd, v_bpd = case
+    if name == "fp16":
+        return CompressedLM(model, None)
+    method = build_method(name, **options)
+    method.set_regime(Regime("qall", 48))
+    method.configure(model_shape(model), bpd, v_bpd)
+    if method.needs_calibration:
+        method.calibrate(stats, seed=0)
+    return CompressedLM(model, None, attach(model, method))
+
+
+@pytest.fixture(params=CASES, ids=IDS)
+def lm(request, model_and_stats):
+    lm = _lm(*model_and_stats, request.param)
+    yield lm
+    if lm.compressor is not None:
+        lm.compressor.detach()
+
+
+def _rows(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 128, (n,), generator=g) for n in lengths]
+
+
+def _same_readings(batched, alone):
+    assert len(batched) == len(alone)
+    for b, a in zip(batched, alone):
+        assert b.regime == a.regime and b.positions == a.positions
+        for key in ("mean", "end", "prefill_end"):
+            x, y = getattr(b, key), getattr(a, key)
+            assert (x is None) == (y is None), key
+            if x is not None:
+                assert x == pytest.approx(y, rel=1e-12, abs=1e-12), key
+
+
+def test_padded_logits_equal_each_row_alone(lm):
+    if not lm.supports_in_pass:
+        pytest.skip(f"{lm.method.name} has no single-pass simulation")
+    rows = _rows([40, 23, 33], seed=3)
+    scored = [5, 23, 1]
+    ids = torch.ones(len(rows), 40, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : r.numel()] = r
+    out = lm.logits(ids, scored=scored, lengths=[r.numel() for r in rows])
+    batched = lm.readings[-len(rows):]
+    alone = []
+    for i, r in enumerate(rows):
+        single = lm.logits(r[None], scored=scored[i])
+        alone.append(lm.readings[-1])
+        assert (out[i, : r.numel()] - single[0]).abs().max() <= 1e-9
+    _same_readings(batched, alone)
+
+
+def test_batched_scoring_equals_each_row_alone(lm):
+    contexts = _rows([30, 21, 26], seed=4)
+    targets = _rows([6, 1, 4], seed=5)
+    out = lm.score_rows(contexts, targets)
+    batched = lm.readings[-3:]
+    alone = []
+    for c, t, got in zip(contexts, targets, out):
+        single = lm.score(c[None], t[None])[0]
+        alone.append(lm.readings[-1])
+        assert got.shape == t.shape
+        assert (got - single).abs().max() <= 1e-9
+    _same_readings(batched, alone)
+
+
+def test_batched_generation_equals_each_row_alone(lm):
+    prompts = _rows([30, 21, 26, 21], seed=6)
+    n_context = [None, 15, 20, 21]  # query-aware, two query-agnostic rows, a whole-prompt context
+    stop = [int(prompts[0][3])]  # some row may stop early on it
+    out = lm.generate_rows(prompts, 7, stop, n_context)
+    batched = lm.readings[-4:]
+    alone = []
+    for p, n, got in zip(prompts, n_context, out):
+        if n is None:
+            single = lm.generate(p[None], 7, stop)
+        else:
+            single = lm.generate_query_agnostic(p[None], n, 7, stop)
+        alone.append(lm.readings[-1])
+        assert got == single
+    _same_readings(batched, alone)
