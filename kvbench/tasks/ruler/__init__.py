@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import partial
 
 from ...context import Progress, no_progress
+from ..batch_size import batch_setting
 from ..query_protocol import query_aware_setting
 from ..registry import register_task, task_limit
 from .catalog import (
@@ -110,7 +111,9 @@ def run_ruler(job, lm, result: dict, progress: Progress = no_progress) -> None:
         item_seed=r.get("item_seed"),
         chat=bool(job.model.chat) if r.get("chat") is None else bool(r.get("chat")),
         progress=progress,
+        batch_size=batch_setting(job, lm),
     )
+    result.setdefault("batch_size", {})["ruler"] = out.pop("batch_size")
     name = out["benchmark"]
     result["predictions"][name] = out.pop("records")
     result["counts"][f"{name}_items"] = out["counts"]

@@ -68,13 +68,15 @@ def evaluate_ruler(
     chat: bool | None = None,
     offline: str | bool = "auto",
     progress: Progress = no_progress,
+    batch_size: int | str = 1,
 ) -> dict:
-    """RULER scores of ``lm`` (a CompressedLM), docs/methods.md §9.4.
+    """RULER scores of ``lm`` (a CompressedLM), docs/methods.md §9.4, ``batch_size`` items
+    generated at a time (``"auto"``: the largest that fits the device).
 
     Returns ``{"benchmark": "ruler" | "ruler_wiki", <task>: score (0-100, mean over lengths),
     "avg", "by_length": {"4096": {<task>: score, "avg"}}, "tasks", "lengths", "skipped",
     "counts", "tokens", "protocol", "data", "chat", "items", "item_seed", "limit", "eval_s",
-    "records": [...]}``; the caller stores the records. ``item_seed`` None (the default): lm-eval's
+    "batch_size", "records": [...]}``; the caller stores the records. ``item_seed`` None (the default): lm-eval's
     own items (``items`` "lm-eval"); an integer re-seeds them (``items`` "item_seed").
     """
     from lm_eval.evaluator import simple_evaluate
@@ -105,7 +107,7 @@ def evaluate_ruler(
         write_tasks(run, lengths, workdir)
         manager = TaskManager(include_path=workdir, include_defaults=False,
                               metadata={"max_seq_lengths": lengths})
-        hflm = compressed_hflm(lm, max_length=window)
+        hflm = compressed_hflm(lm, max_length=window, batch_size=batch_size)
         hflm.query_aware = bool(query_aware)
         hflm.question_start = question_start
         hflm.progress, hflm.progress_prefix, hflm.progress_names = progress, "ruler", LM_EVAL_TO_TASK
@@ -139,6 +141,7 @@ def evaluate_ruler(
         "limit": limit,
         "records": records,
         "eval_s": round(time.perf_counter() - t0, 2),
+        "batch_size": hflm.rows_used,
     }
     for name, score in scores.items():
         if name in RULER_TASKS:
