@@ -33,10 +33,6 @@ from typing import ClassVar
 import torch
 
 
-#: the names ``KVMethod.searches()`` may return, in the order of the steps that ask for them
-SEARCHES = ("select", "budget_share", "layer_sensitivity", "measured_keep")
-
-
 class Unsupported(ValueError):
     """A budget the method cannot reach. The harness records status ``unsupported``."""
 
@@ -222,8 +218,7 @@ class KVMethod:
         * after ``calibrate``: ``"measured_keep"`` (the kept fraction refitted to the measured
           headline, through ``set_kept_fraction``/``rho_for``, kvbench/fit/measured_keep.py).
 
-        Data, so the harness never probes a method for capabilities; most methods want nothing.
-        :data:`SEARCHES` lists the names."""
+        Data, so the harness never probes a method for capabilities; most methods want nothing."""
         return ()
 
     def calibration_sample_tokens(self) -> int:
