@@ -30,7 +30,7 @@ from .fit.budget_share import choose_budget_share
 from .fit.cobra_plus_select import select_for_job
 from .fit.kv_split import choose_kv_split
 from .fit.layer_sensitivity import measure_for
-from .fit.measured_keep import needs_refit, refit_kept
+from .fit.measured_keep import refit_kept
 from .fit.statistics import CalibrationSpec, statistics, with_sample
 from .model.compressed_lm import CompressedLM
 from .model.integrate import attached
@@ -117,9 +117,11 @@ def figures(tracker: Tracker, method, result: dict, out_dir: Path) -> list[Path]
 
 def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_dir: Path):
     """Statistics, then every free parameter in the order each depends on the previous: the K/V
-    split (``v_bpd=auto``), cobra_plus's switches (``select``), compose's budget share, the
-    configuration at the budget, the layer sensitivity, the method's own calibration, compose's kept
-    fraction refitted to the measured figure. Returns the method, configured and calibrated."""
+    split (``v_bpd=auto``), then the searches the method declares (``KVMethod.searches()``), each
+    at its step: the method's switches (``"select"``, when the job gives a ``select`` search), the
+    budget share (``"budget_share"``), the configuration at the budget, the layer sensitivity
+    (``"layer_sensitivity"``), the method's own calibration, the kept fraction refitted to the
+    measured figure (``"measured_keep"``). Returns the method, configured and calibrated."""
     timings = result["timings"]
     timings["calibrate_s"] = 0.0
     if method.needs_calibration:
@@ -129,8 +131,8 @@ def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_
     bpd_k, bpd_v = bud.bpd_k, bud.bpd_v
     if bud.auto:
         bpd_k, bpd_v = kv_split(job, ctx, result)
-    if job.select is not None:  # cobra_plus's switches chosen on held-out windows (§13)
-        method, ctx = select_for_job(ctx, job.select, job.method, job.options, result, timings, out_dir)
+    if job.select is not None:  # the method's switches chosen on held-out windows
+        method, ctx = select_for_job(ctx, job.select, method, job.options, result, timings, out_dir)
     method.set_regime(ctx.regime)
     if "budget_share" in method.searches() and bpd_k is not None:
         choice = choose_budget_share(ctx, job.options, bpd_k, bpd_v)
@@ -145,7 +147,7 @@ def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_
         t0 = time.perf_counter()
         method.calibrate(ctx.stats, seed=ctx.seed)
         timings["allocate_s"] = time.perf_counter() - t0
-    if bpd_k is not None and needs_refit(method):  # compose's kept fraction to the measured figure
+    if bpd_k is not None and "measured_keep" in method.searches():
         refit = refit_kept(ctx, method, job.options, bpd_k, bpd_v)
         timings["measured_fit_s"] = 0.0 if refit["cache_hit"] else refit["seconds"]
         result["measured_fit"] = refit

@@ -206,11 +206,26 @@ class KVMethod:
         raise NotImplementedError
 
     def searches(self) -> tuple[str, ...]:
-        """What the harness should choose or measure for this method on held-out calibration
-        windows, by name: ``"budget_share"`` (compose's ``split``, asked before ``configure``),
-        ``"layer_sensitivity"`` (asked after ``configure``). Data, so the harness never probes
-        a method for capabilities; most methods want nothing."""
+        """What the harness should choose or measure for this method on calibration-corpus
+        windows, by name, each asked at one step of the fit (``kvbench.job.fit``):
+
+        * before ``configure``: ``"select"`` (the method's defaults can be chosen by the job's
+          ``select`` search, kvbench/fit/cobra_plus_select.py; run only when the job gives one),
+          ``"budget_share"`` (the share of the budget given to a part, compose's ``split``,
+          kvbench/fit/budget_share.py);
+        * after ``configure``: ``"layer_sensitivity"`` (a per-layer measurement handed back
+          through the method's ``sensitivity_*`` methods, kvbench/fit/layer_sensitivity.py);
+        * after ``calibrate``: ``"measured_keep"`` (the kept fraction refitted to the measured
+          headline, through ``set_kept_fraction``/``rho_for``, kvbench/fit/measured_keep.py).
+
+        Data, so the harness never probes a method for capabilities; most methods want nothing."""
         return ()
+
+    def calibration_sample_tokens(self) -> int:
+        """Calibration tokens per head of the key/value sample ``calibrate`` needs
+        (``LayerStats.k_sample``/``v_sample``), asked before ``configure``; 0 (the default) for
+        the plain moments."""
+        return 0
 
     def knobs(self) -> dict:
         """The knobs chosen by ``configure``/``calibrate`` (logged into result.json)."""

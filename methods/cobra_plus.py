@@ -244,12 +244,21 @@ class CobraPlus(Cobra):
     # ---- layer sensitivity (data from the harness) ----------------------------------------------
 
     def searches(self) -> tuple[str, ...]:
-        """``("layer_sensitivity",)`` when the harness should measure for this job
-        (:mod:`kvbench.fit.layer_sensitivity`), once configured: per layer with ``sensitivity``;
-        per side (the K/V exchange rate) in the joint KV-track with ``joint_exchange="measured"``."""
+        """Before ``configure``: ``("select",)``, the switches can be chosen by the job's ``select``
+        search (:mod:`kvbench.fit.cobra_plus_select`). Once configured: ``("layer_sensitivity",)``
+        when the harness should measure for this job (:mod:`kvbench.fit.layer_sensitivity`): per
+        layer with ``sensitivity``; per side (the K/V exchange rate) in the joint KV-track with
+        ``joint_exchange="measured"``."""
+        if self._shape is None:
+            return ("select",)
         if self._total_bits is None:
             return ()
         return ("layer_sensitivity",) if bool(self.sensitivity) or self.sensitivity_whole() else ()
+
+    def sensitivity_targets(self) -> tuple:
+        """(bpd_K, bpd_V) as given to ``configure``: the probe's reference budget, part of what
+        identifies the measurement."""
+        return self._ref
 
     def sensitivity_per_layer(self) -> bool:
         return bool(self.sensitivity)

@@ -109,10 +109,11 @@ from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Regime, Unsupported, held_bits, query_positions
 from .blocked_attention import blocked_attention
 from .bookkeeping import host_ops
+from .budget import (AT_TARGET, describe, in_band, no_joint_pair, off_band, scored_reads, side_unreachable,
+                     unreachable)
 from .buffers import Growing, row_elements
 from .groupquant import fp16_scale_min
 from .joint_budget import best_pair
-from .kivi import scored_reads
 from .packing import pack_bits, unpack_bits
 
 FIT_BITS = tuple(range(1, 9))
@@ -123,7 +124,6 @@ RANK_GRID = (1, 2, 3, 4)
 #: the run templates' GEAR setting (docs/methods.md §15.6): b, G, s, r, n_b
 PAPER = {"bits": 2, "group": 64, "sparsity": 0.02, "rank": 2, "block": 64}
 PAPER_PROMPT_RANK = 4
-AT_TARGET = 0.02
 LEVELS = ("harness", "official")
 KCOUNTS = ("harness", "official")
 PROMPTS = ("chunked", "one_block")
@@ -454,10 +454,6 @@ def block_grid() -> tuple[int, ...]:
     return tuple(range(g, MAX_BLOCK + 1, g))
 
 
-def in_band(x: float, target: float) -> bool:
-    return abs(x - target) <= AT_TARGET * target + _EPS
-
-
 def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regime: Regime, opts: dict,
               budget: str = "measured", prompt_rank: int | None = None) -> dict:
     """The grid point (per side, one n_b) whose predicted bpd is within :data:`AT_TARGET` of each
@@ -477,7 +473,7 @@ def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regim
         if best is None or pref > best[0]:
             best = (pref, nb, k, v)
     if best is None:
-        raise Unsupported(unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank))
+        raise Unsupported(why_unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank))
     _, nb, k, v = best
     return {"block": nb, "k": k[2], "v": None if v is None else v[2], "predicted_bpd_k": k[0],
             "predicted_bpd_v": None if v is None else v[0]}
@@ -497,20 +493,13 @@ def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, 
         pairs += [((k, nb), (v, nb)) for k in keys for v in vals if lo <= k[0] + v[0] <= hi]
     best = best_pair(pairs, lambda p: p[0][0], target_kv, AT_TARGET, lambda kp, vp: (kp[0][1], vp[0][1]))
     if best is None:
-        raise Unsupported(f"gear: joint_kv: no pair of key and value points at one n_b has a mean within "
-                          f"{AT_TARGET:.0%} of bpd_KV={target_kv:g} in {describe(regime)}; "
-                          + unreachable(target_kv, target_kv, heads, d, regime, opts, budget, prompt_rank))
+        raise Unsupported(no_joint_pair("gear", target_kv, regime, " at one n_b") + "; "
+                          + why_unreachable(target_kv, target_kv, heads, d, regime, opts, budget, prompt_rank))
     (k, nb), (v, _) = best
     return {"block": nb, "k": k[2], "v": v[2], "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
 
 
-def describe(regime: Regime) -> str:
-    if regime.kind == "qall":
-        return f"Q-all over {regime.tokens} positions"
-    return f"a {regime.tokens}-token prefill + {regime.decode} decoded positions"
-
-
-def unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank) -> str:
+def why_unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank) -> str:
     """Each side's reachable range on the grid and the points nearest its target."""
     what = ("the per-block figure of docs/methods.md §15.7" if budget == "nominal" else
             f"the measured headline in {describe(regime)}, fp16 buffer included")
@@ -520,20 +509,15 @@ def unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank)
             continue
         pts = [(x[0], nb, x[2]) for nb in block_grid()
                for x in _side_points(side, target, heads, d, nb, regime, opts, budget, prompt_rank)]
-        lo, hi = min(pts, key=lambda x: x[0])[0], max(pts, key=lambda x: x[0])[0]
-        below = max((p for p in pts if p[0] < target), default=None, key=lambda x: x[0])
-        above = min((p for p in pts if p[0] > target), default=None, key=lambda x: x[0])
-        near = ", ".join(
-            f"{p[0]:.3f} at (b={p[2]['bits']}, G={p[2]['group']}, s={p[2]['sparsity']}, r={p[2]['rank']}, "
-            f"n_b={p[1]})" for p in (below, above) if p)
         inside = any(in_band(p[0], target) for p in pts)
         why = ("within the band only at an n_b where the other side has no point" if inside
-               else f"no grid point within {AT_TARGET:.0%}; nearest {near}")
-        parts.append(f"{name}={target:g}: reachable range [{lo:.2f}, {hi:.2f}], {why}")
+               else off_band(pts, target, lambda p: f"{p[0]:.3f} at (b={p[2]['bits']}, G={p[2]['group']}, "
+                             f"s={p[2]['sparsity']}, r={p[2]['rank']}, n_b={p[1]})", key=lambda x: x[0]))
+        parts.append(side_unreachable(name, target, [p[0] for p in pts], f", {why}"))
     grid = (f"b in 1..8, G in {list(GROUP_GRID)}, n_b a multiple of G up to {MAX_BLOCK}, s in "
             f"{list(SPARSITY_GRID)}, r in {list(RANK_GRID)}")
-    return (f"gear: not reachable ({what}; grid {grid}): " + "; ".join(parts)
-            + " (budget=nominal maps the per-block formula; explicit knobs run as set)")
+    return unreachable("gear", f"({what}; grid {grid})", parts,
+                       " (budget=nominal maps the per-block formula; explicit knobs run as set)")
 
 
 # ---- the cache ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from .attention import causal_attention
 from .base import KVMethod, Unsupported
+from .budget import in_band
 from .eviction import EvictionLayerState, top_and_recent
 from .sparsifier import attention_column_sums, compute_dtype, round_half_up, shared_target
 
@@ -179,7 +180,7 @@ class H2O(KVMethod):
         cands = {min(p, max(int(self.min_budget), c)) for c in (math.floor(exact), math.ceil(exact))}
         c = min(sorted(cands), key=lambda n: abs(prefill_mean_bpd(n, p, d, per) - target))
         self._predicted_prefill = prefill_mean_bpd(c, p, d, per)
-        if abs(self._predicted_prefill - target) > 0.02 * target + 1e-12:
+        if not in_band(self._predicted_prefill, target, eps=1e-12):
             lo, hi = prefill_mean_bpd(int(self.min_budget), p, d, per), prefill_mean_bpd(p, p, d, per)
             raise Unsupported(
                 f"h2o: bpd={target} is not reachable after a {p}-token prefill with {d} decoded positions: "

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, TypeVar
 
+from .budget import in_band
+
 P = TypeVar("P")
-
-
-def in_band(x: float, target: float, band: float) -> bool:
-    return abs(x - target) <= band * target + 1e-9
 
 
 def best_pair(pairs: Iterable[tuple[P, P]], bpd: Callable[[P], float], target_kv: float, band: float,

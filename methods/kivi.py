@@ -66,7 +66,6 @@ Decisions where docs/methods.md is silent:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,54 +74,13 @@ from .attention import causal_attention
 from .base import KVMethod, LayerState, Regime, Unsupported, query_positions
 from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attention
 from .bookkeeping import host_ops, one_read
+from .budget import (AT_TARGET, DEFAULT_BITS, DEFAULT_GROUP, GROUP_GRID, describe, grid_choice, in_band,
+                     no_joint_pair, off_band, reach, scored_reads, side_unreachable, unreachable)
 from .buffers import Growing, SideStore, row_elements
 from .groupquant import quantize_dequantize_groups
 from .joint_budget import best_pair
 
-BITS_GRID = (1, 2, 3, 4, 8)
-GROUP_GRID = (32, 64, 128)
-DEFAULT_BITS = 2
-DEFAULT_GROUP = 32
 DEFAULT_RESIDUAL = 128  # R of the paper's LongBench runs (docs/methods.md §2.2)
-_EPS = 1e-9
-
-
-def grid_choice(
-    target: float | None,
-    *,
-    bits: int | None = None,
-    group: int | None = None,
-    max_group: int | None = None,
-    divides: int | None = None,
-    side: str = "bpd",
-    method: str = "kivi",
-) -> tuple[int, int]:
-    """(b, G) with the largest b + 32/G <= target over the knob grid (fixed knobs stay fixed).
-
-    ``max_group``: G <= this (values: G <= d); ``divides``: G must divide it (keys: R;
-    values: d)."""
-    if target is None:
-        return (bits or DEFAULT_BITS), (group or DEFAULT_GROUP)
-    cands = []
-    for b in (bits,) if bits is not None else BITS_GRID:
-        for g in (group,) if group is not None else GROUP_GRID:
-            if max_group is not None and group is None and g > max_group:
-                continue
-            if divides is not None and group is None and divides % g:
-                continue
-            cands.append((b + 32.0 / g, b, g))
-    if not cands:
-        raise Unsupported(f"{method}: no group size in {GROUP_GRID} fits ({side})")
-    fit = [c for c in cands if c[0] <= target + _EPS]
-    if not fit:
-        lo = min(c[0] for c in cands)
-        raise Unsupported(
-            f"{method}: {side}={target} is below the reachable range: b + 32/G >= {lo:g} "
-            f"(b in {BITS_GRID if bits is None else (bits,)}, G in "
-            f"{sorted({c[2] for c in cands})}), plus the fp16 residual share"
-        )
-    _, b, g = max(fit)
-    return b, g
 
 
 def _advance(store: SideStore, x_new, n_quant_new, quantize):
@@ -264,33 +222,9 @@ def kivi_bpd(n_tokens, bits: int, group: int, n_full):
 FIT_BITS = tuple(range(1, 9))
 #: largest residual window tried by the fit: the paper's LongBench setting (docs/methods.md §2.2)
 MAX_RESIDUAL = 128
-#: relative band in which a measured bpd counts as at its target (the tables' mark)
-AT_TARGET = 0.02
 BUDGETS = ("measured", "nominal")
 #: options that, when given, switch the fit off (the job runs them as set)
 KNOB_OPTIONS = ("bits", "group", "residual", "v_bits", "v_group")
-
-
-def scored_reads(regime: Regime, residual: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens held, of them quantized) at each position whose prediction the regime scores
-    (docs/methods.md §0, §2.3), float64. Q-all: the query at p reads p + 1 tokens, keys below
-    R floor(p/R) and values below p - R quantized. After a P-token exact prefill: its own
-    prediction reads the stored prompt (keys below R floor(P/R), values below P - R), then each
-    decoded query at p = P..P+D-1 reads as in Q-all."""
-    r = float(residual)
-    if regime.kind == "qall":
-        p = torch.arange(regime.tokens, dtype=torch.float64)
-    else:
-        p = torch.arange(regime.tokens - 1, regime.tokens + regime.decode, dtype=torch.float64)
-    held = p + 1
-    if side == "k":
-        quant = r * torch.floor(p / r)
-    else:
-        quant = (p - r).clamp(min=0)
-    if regime.kind == "prefill":  # the prefill's own prediction: the stored P-token prompt
-        n = float(regime.tokens)
-        quant[0] = r * math.floor(n / r) if side == "k" else max(0.0, n - r)
-    return held, quant
 
 
 def headline_bpd(bits: int, group: int, residual: int, regime: Regime, side: str) -> float:
@@ -318,10 +252,6 @@ def side_points(side: str, regime: Regime, head_dim: int, residual: int) -> list
     return [(headline_bpd(b, g, residual, regime, side), b, g) for b in FIT_BITS for g in groups]
 
 
-def in_band(x: float, target: float) -> bool:
-    return abs(x - target) <= AT_TARGET * target + _EPS
-
-
 def _prefer(k, v, r) -> tuple:
     """The fit's preference among admissible points: the most key bits, then the most value bits,
     then the largest R, then the smallest groups."""
@@ -338,9 +268,8 @@ def fit_joint(target_k: float, target_v: float, head_dim: int, regime: Regime) -
                      lambda kp, vp: _prefer(kp[0], vp[0], kp[1]))
     if best is None:
         pts = [x[0] for r in residual_grid() for side in ("k", "v") for x in side_points(side, regime, head_dim, r)]
-        raise Unsupported(f"kivi: joint_kv: no pair of key and value points at one R has a mean within "
-                          f"{AT_TARGET:.0%} of bpd_KV={(target_k + target_v) / 2:g} in {describe(regime)} "
-                          f"(each side reaches [{min(pts):.2f}, {max(pts):.2f}])")
+        raise Unsupported(no_joint_pair("kivi", (target_k + target_v) / 2, regime, " at one R")
+                          + f" (each side reaches {reach(pts)})")
     (k, r), (v, _) = best
     return {"bits": k[1], "group": k[2], "residual": r, "v_bits": v[1], "v_group": v[2],
             "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
@@ -363,20 +292,14 @@ def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Re
                 if best is None or pref > best[0]:
                     best = (pref, k, v, r)
     if best is None:
-        raise Unsupported(unreachable(target_k, target_v, head_dim, regime))
+        raise Unsupported(why_unreachable(target_k, target_v, head_dim, regime))
     _, k, v, r = best
     return {"bits": k[1], "group": k[2], "residual": r, "v_bits": None if v is None else v[1],
             "v_group": None if v is None else v[2], "predicted_bpd_k": k[0],
             "predicted_bpd_v": None if v is None else v[0]}
 
 
-def describe(regime: Regime) -> str:
-    if regime.kind == "qall":
-        return f"Q-all over {regime.tokens} positions"
-    return f"a {regime.tokens}-token prefill + {regime.decode} decoded positions"
-
-
-def unreachable(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> str:
+def why_unreachable(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> str:
     """Why no grid point fits: each side's reachable range in the regime and the grid points
     nearest the target on either side (or that no shared R serves both)."""
     grid = (f"b in {FIT_BITS[0]}..{FIT_BITS[-1]}, G in {list(GROUP_GRID)}, R in {list(residual_grid())} "
@@ -389,17 +312,13 @@ def unreachable(target_k: float, target_v: float | None, head_dim: int, regime: 
         if not pts:
             parts.append(f"{name}: no value group in {list(GROUP_GRID)} fits head_dim={head_dim}")
             continue
-        lo, hi = min(pts)[0], max(pts)[0]
-        below = max((p for p in pts if p[0] < target), default=None)
-        above = min((p for p in pts if p[0] > target), default=None)
-        near = ", ".join(f"{p[0]:.3f} at (b={p[1]}, G={p[2]}, R={p[3]})" for p in (below, above) if p)
         shared = sorted({p[3] for p in pts if in_band(p[0], target)})
         why = (f"within {AT_TARGET:.0%} only at R in {shared}, where the other side has no point in the band"
-               if shared else f"no grid point within {AT_TARGET:.0%}; nearest {near}")
-        parts.append(f"{name}={target:g}: reachable range [{lo:.2f}, {hi:.2f}], {why}")
-    return (f"kivi: not reachable in {describe(regime)} (measured bpd, fp16 residual window and "
-            f"metadata included; grid {grid}): " + "; ".join(parts)
-            + " (budget=nominal maps b + 32/G instead; explicit knobs run as set)")
+               if shared else off_band(pts, target, lambda p: f"{p[0]:.3f} at (b={p[1]}, G={p[2]}, R={p[3]})"))
+        parts.append(side_unreachable(name, target, [p[0] for p in pts], f", {why}"))
+    return unreachable("kivi", f"in {describe(regime)} (measured bpd, fp16 residual window and metadata "
+                       f"included; grid {grid})", parts,
+                       " (budget=nominal maps b + 32/G instead; explicit knobs run as set)")
 
 
 @dataclass

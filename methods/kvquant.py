@@ -113,13 +113,13 @@ import torch
 from .attention import work_dtype
 from .base import KVMethod, ModelShape, Regime, Unsupported
 from .bookkeeping import host_ops
+from .budget import AT_TARGET, describe, in_band, no_joint_pair, reach, side_unreachable
 from .codec_state import Codec, CodecLayerState, ExactCodec, codecs_static_bytes
 from .joint_budget import best_pair
 from .latent_codec import SAMPLE_TOKENS
 from .packing import pack_bits, unpack_bits
 
 BITS = (1, 2, 3, 4, 5)  # §14.3: the code's 2..5 and the harness extension b = 1
-AT_TARGET = 0.02  # the measured headline must be within 2 % of the target
 KMEANS_ITERS = 50  # official KMeans(max_iter=50)
 KMEANS_TOL = 1e-4  # sklearn's default tol, relative to the data variance
 QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses larger inputs
@@ -557,16 +557,6 @@ def headline(cost: float, sink: int, regime: Regime, budget: str = "measured") -
     return cost + (16.0 - cost) * sink_share(regime, sink)
 
 
-def describe(regime: Regime) -> str:
-    if regime.kind == "qall":
-        return f"Q-all over {regime.tokens} positions"
-    return f"a {regime.tokens}-token prefill + {regime.decode} decoded positions"
-
-
-def in_band(x: float, target: float) -> bool:
-    return abs(x - target) <= AT_TARGET * target + 1e-12
-
-
 # ---------------------------------------------------------------------------------------------
 # the method
 
@@ -636,7 +626,8 @@ class KVQuant(KVMethod):
         f = float(self.outliers)
         if bits is not None:  # run as set
             return bits, headline(token_cost(side, bits, f, n), sink, self.regime, self.budget)
-        inside = [(abs(x - target), b, x) for x, b in self._points(side, n, sink) if in_band(x, target)]
+        inside = [(abs(x - target), b, x) for x, b in self._points(side, n, sink)
+                  if in_band(x, target, eps=1e-12)]
         if not inside:
             return None
         _, b, x = min(inside)
@@ -670,9 +661,8 @@ class KVQuant(KVMethod):
         else:
             if joint:
                 pts = [x for s in sinks for side in ("k", "v") for x, _ in self._points(side, n, s)]
-                raise Unsupported(f"kvquant: joint_kv: no pair of key and value points has a mean within "
-                                  f"{AT_TARGET:.0%} of bpd_KV={target_kv:g} in {describe(self.regime)} "
-                                  f"(each side reaches [{min(pts):.2f}, {max(pts):.2f}] at b in {BITS})")
+                raise Unsupported(no_joint_pair("kvquant", target_kv, self.regime)
+                                  + f" (each side reaches {reach(pts)} at b in {BITS})")
             raise Unsupported(self._unreachable(sides, n, sinks))
         self._plan = {
             "n": n, "sink": sink if sides else 0, "t": outlier_level(float(self.outliers)),
@@ -696,11 +686,11 @@ class KVQuant(KVMethod):
             if bits is not None:
                 continue
             pts = [(x, b, s) for s in sinks for x, b in self._points(side, n, s)]
-            lo, hi = min(p[0] for p in pts), max(p[0] for p in pts)
             nearest = sorted(pts, key=lambda p: abs(p[0] - target))[:2]
             near = ", ".join(f"{x:.3f} (b={b}, sink {s})" for x, b, s in nearest)
-            parts.append(f"{'bpd' if side == 'k' else 'v_bpd'}={target:g}: reachable range [{lo:.2f}, {hi:.2f}] "
-                         f"at b in {BITS}, f={self.outliers:g}; no point within {AT_TARGET:.0%} (nearest {near})")
+            parts.append(side_unreachable("bpd" if side == "k" else "v_bpd", target, [p[0] for p in pts],
+                                          f" at b in {BITS}, f={self.outliers:g}; no point within "
+                                          f"{AT_TARGET:.0%} (nearest {near})"))
         return f"kvquant ({what}, n = H_kv d = {n}): " + "; ".join(parts)
 
     # -- calibration ---------------------------------------------------------------------------

@@ -68,9 +68,9 @@ from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
 from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attention
 from .bookkeeping import host_ops, one_read
+from .budget import AT_TARGET, describe, grid_choice, under_ceiling
 from .buffers import Growing, SideStore, row_elements
 from .groupquant import GroupPacked, fp16_scale_min, quantize_dequantize_groups
-from .kivi import grid_choice
 from .packing import pack_bits
 
 N_GROUPS = 8
@@ -79,7 +79,6 @@ GROUP_GRID = (8, 16, 24, 32, 48, 64, 96, 128)  # G_t tried by budget='measured'
 DEFAULT_GROUP = 128  # G_t of budget='mean' / 'total' and of explicit schedules [decision, §3.2]
 BASES = ("auto", "calib", "prefill")
 BUDGETS = ("measured", "mean", "total")
-AT_TARGET = 0.02  # relative band in which a measured bpd counts as at its target (the tables' †)
 #: e(b) = MSE / sigma^2 of the MSE-optimal uniform quantizer of N(0, 1), b = 0..8 (docs/methods.md §1.1)
 GAUSS_MSE = (1.0, 0.363, 0.119, 0.0374, 0.0115, 0.00350, 0.00104, 3.04e-4, 8.77e-5)
 _EPS = 1e-9
@@ -475,11 +474,9 @@ class SVDq(KVMethod):
 
     def _unreachable(self, target, d) -> str:
         r = self.regime
-        where = (f"Q-all over {r.tokens} positions" if r.kind == "qall"
-                 else f"a {r.tokens}-token prefill + {r.decode} decoded positions")
         lo = min(predicted_bpd((1,) + (0,) * (N_GROUPS - 1), g, d, r, self._basis_kind()) for g in self._groups())
         hi = max(predicted_bpd((8,) * N_GROUPS, g, d, r, self._basis_kind()) for g in self._groups())
-        return (f"svdq: bpd={target} is not reachable in {where} ({self._basis_kind()} basis): the "
+        return (f"svdq: bpd={target} is not reachable in {describe(r)} ({self._basis_kind()} basis): the "
                 f"measured bpd_K, fp16 buffer and metadata included, lies in [{lo:.3g}, {hi:.3g}] "
                 f"for G_t in {list(self._groups())} (budget='mean' counts the schedule mean only)")
 
@@ -494,7 +491,7 @@ class SVDq(KVMethod):
             sched = PAPER_SCHEDULE if s == 16 else greedy_schedule(s, group_var, d)
             for g in self._groups():
                 pred = predicted_bpd(sched, g, d, self.regime, self._basis_kind())
-                if pred > self._target + band + _EPS:
+                if not under_ceiling(pred, self._target):
                     continue
                 proxy = quantized_share(g, self.regime) * schedule_mse(sched, group_var)
                 key = (pred < self._target - band, proxy, -s, -g)  # at the target first

@@ -82,6 +82,7 @@ import numpy as np
 import torch
 
 from .base import KVMethod, ModelShape, Regime, Unsupported
+from .budget import in_band
 from .codec_state import Codec, CodecLayerState, ExactCodec
 from .gaussquant import pack_codes, prepare_layout, unpack_codes
 from .hadamard import haar_orthogonal
@@ -90,7 +91,6 @@ from .packing import pack_bits, unpack_bits
 
 MAX_BITS = 8  # widest code of the mse stage (256 centroids)
 NORM_BITS = 16  # nu and gamma are fp16
-BUDGET_TOLERANCE = 0.02  # measured headline within 2 % of the target
 GL_NODES = 96  # Gauss-Legendre nodes per codebook cell
 NEWTON_TOL = 1e-13  # centroid convergence, in units of 1/sqrt(d)
 VARIANTS = ("mse", "prod")
@@ -353,7 +353,7 @@ def budget_plan(target: float, shape: ModelShape, variant: str, split: bool, reg
     plans = reachable_plans(d, variant, split)
     plan = min(plans, key=lambda p: (abs(p.bits - target * d), p.bits))
     got = headline_bpd(plan, shape.n_kv_heads, d, regime)
-    if abs(got - target) > BUDGET_TOLERANCE * target:
+    if not in_band(got, target, eps=0.0):
         lo, hi = plans[0].bits / d, plans[-1].bits / d
         raise Unsupported(
             f"turboquant ({variant}{', split' if split else ''}): bpd {target:g} unreachable on head_dim {d}; "

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
 
 import pytest
 
 from kvbench.store import results
-from kvbench.store.results import new_result, read_result, write_atomic
+from kvbench.store.results import code_state, new_result, read_result, write_atomic
+from kvbench.store.wandb_keys import code_version
 
 
 def test_schema_keys():
@@ -58,3 +61,31 @@ def test_result_file_is_readable_by_the_group(tmp_path):
     finally:
         os.umask(old)
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def _git(repo, *args) -> bytes:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+                           *args], cwd=repo, check=True, capture_output=True).stdout
+
+
+def test_a_dirty_tree_records_the_digest_of_its_diff(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    clean = code_state(tmp_path)
+    assert len(clean["git_commit"]) == 40 and clean["git_diff"] is None
+    (tmp_path / "a.py").write_text("x = 2\n")
+    dirty = code_state(tmp_path)
+    assert dirty["git_commit"] == clean["git_commit"] + "-dirty"
+    assert dirty["git_diff"] == hashlib.sha256(_git(tmp_path, "diff", "HEAD")).hexdigest()[:8]
+    (tmp_path / "a.py").write_text("x = 3\n")
+    assert code_state(tmp_path)["git_diff"] not in (None, dirty["git_diff"])  # another diff, another digest
+    # the W&B run's code version names the digest the result recorded
+    assert code_version(dirty) == f"{clean['git_commit'][:12]}+{dirty['git_diff']}"
+
+
+def test_result_versions_name_the_diff_of_a_dirty_commit():
+    v = new_result("smollm2_135m", "kivi", 0, 2.0, None)["versions"]
+    assert "git_diff" in v
+    assert (v["git_diff"] is not None) == (v["git_commit"] or "").endswith("-dirty")

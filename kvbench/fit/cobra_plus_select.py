@@ -267,12 +267,14 @@ def select(ctx: JobContext, options: dict, select_cfg) -> dict:
     }
 
 
-def select_for_job(ctx: JobContext, select_cfg, name: str, options: dict, result: dict, timings: dict,
+def select_for_job(ctx: JobContext, select_cfg, method, options: dict, result: dict, timings: dict,
                    out_dir: Path):
     """(the job's method with the selected switches, not yet configured; the context with the
-    statistics and spec it is calibrated with). The table goes into the result
-    (``cobra_plus_select``) and beside it (``cobra_plus_select.md`` / ``.json``)."""
-    if name != METHOD:
+    statistics and spec it is calibrated with), for a method that declares ``"select"`` in its
+    ``searches()``. The table goes into the result (``cobra_plus_select``) and beside it
+    (``cobra_plus_select.md`` / ``.json``)."""
+    name = method.name
+    if "select" not in method.searches():
         raise ValueError(f"select: chooses {METHOD}'s defaults; the job's method is {name!r} (use method={METHOD})")
     if ctx.stats is None:
         raise ValueError(f"select: {METHOD} needs calibration statistics")

@@ -90,7 +90,7 @@ def layer_sensitivity(ctx: JobContext, method) -> dict:
     """The measurement for ``method`` (configured), from the cache when present; adds "cache_hit"."""
     opts = {k: v for k, v in method_fields(method).items() if k not in NOT_IN_KEY}
     key = {"model": ctx.model_id, "method": method.name, "version": VERSION, "options": opts,
-           "targets": list(method._ref), "sides": list(method.sensitivity_sides()),
+           "targets": list(method.sensitivity_targets()), "sides": list(method.sensitivity_sides()),
            "seed": ctx.seed, "calibration": spec_fields(ctx.spec)}
 
     def compute() -> dict:

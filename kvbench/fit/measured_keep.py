@@ -8,11 +8,11 @@ tokens still sit in KIVI's fp16 residual, and how many partly evicted key groups
 and minimum, depend on the attention. On SmolLM2, PPL track B, compose(h2o, kivi) measured
 bpd_KV 0.344 at a target of 0.5 and 0.927 at 1 (``Compose.prediction_exact`` is False for it).
 
-The refit, for such a composition with a fitted rho: ``N_WINDOWS`` windows of the calibration
-corpus laid out as the job's regime (Q-all: ``tokens`` query positions; prefill-exact: ``tokens``
-of exact context, then ``decode + 1`` targets teacher-forced, the PPL track B layout) are run
-through the composed model and the headline bpd_KV is measured by the same rule as the job's
-(:mod:`kvbench.model.compressed_lm`). Iteration k measures m_k at rho_k and takes as the next rho
+The refit, for such a composition with a fitted rho (``"measured_keep" in method.searches()``):
+``N_WINDOWS`` windows of the calibration corpus laid out as the job's regime (Q-all: ``tokens``
+query positions; prefill-exact: ``tokens`` of exact context, then ``decode + 1`` targets
+teacher-forced, the PPL track B layout) are run through the composed model and the headline
+bpd_KV is measured by the same rule as the job's (:mod:`kvbench.model.compressed_lm`). Iteration k measures m_k at rho_k and takes as the next rho
 the one whose *prediction* is target x predicted(rho_k) / m_k (the prediction's error, taken as a
 factor, carried to the next point) when it lies inside the bracket of the points measured so far;
 else the linear interpolation between the bracket's ends, or, before there is a bracket, a step in
@@ -70,13 +70,6 @@ MAX_MEASUREMENTS = 5
 MEASURE_SEED_OFFSET = 104_729
 #: part of the cache key: bump when what a refit measures or chooses changes
 FIT_VERSION = 1
-
-
-def needs_refit(method) -> bool:
-    """Whether the job refits ``method``'s kept fraction to the measured figure: a compose whose
-    rho was fitted and whose prediction is not exact."""
-    knobs = method.knobs() if hasattr(method, "prediction_exact") else {}
-    return bool(knobs.get("fitted")) and not method.prediction_exact
 
 
 def window_length(regime) -> int:

@@ -8,6 +8,7 @@ shared sweep directory can open it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -99,27 +100,49 @@ def read_result(path: str | Path) -> dict | None:
         return None
 
 
-def _git_commit() -> str | None:
+#: the checkout whose code a result comes from
+HERE = Path(__file__).resolve().parent
+
+
+def git_commit(cwd: Path = HERE) -> str | None:
+    """The checkout's commit, ``-dirty`` appended when tracked files differ from it; None outside
+    git."""
     try:
-        here = Path(__file__).resolve().parent
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
         )
         if out.returncode != 0:
             return None
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here, capture_output=True, text=True, timeout=5,
+            cwd=cwd, capture_output=True, text=True, timeout=5,
         ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
 
+def diff_digest(cwd: Path = HERE) -> str:
+    """8 hex digits of SHA-256 over ``git diff HEAD`` (the uncommitted change a ``-dirty`` commit
+    carries); ``unknown`` when git cannot say."""
+    try:
+        out = subprocess.run(["git", "diff", "HEAD"], cwd=cwd, capture_output=True, timeout=10)
+        return hashlib.sha256(out.stdout).hexdigest()[:8] if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def code_state(cwd: Path = HERE) -> dict:
+    """``git_commit`` and ``git_diff``: the :func:`diff_digest` of a ``-dirty`` commit, else None."""
+    commit = git_commit(cwd)
+    dirty = commit is not None and commit.endswith("-dirty")
+    return {"git_commit": commit, "git_diff": diff_digest(cwd) if dirty else None}
+
+
 def versions() -> dict:
     import torch
 
-    info = {"git_commit": _git_commit(), "python": platform.python_version(), "torch": torch.__version__}
+    info = {**code_state(), "python": platform.python_version(), "torch": torch.__version__}
     for pkg in ("transformers", "lm_eval", "datasets", "hydra", "wandb"):
         try:
             info[pkg] = __import__(pkg).__version__

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-import subprocess
 from pathlib import Path
+
+from .results import diff_digest
 
 #: the unit of each kind of number a run holds, recorded in its config (``kvbench.units``)
 UNITS = {
@@ -90,24 +91,18 @@ def group_name(config: dict, out_dir: Path) -> str:
     return (config or {}).get("experiment") or SINGLE
 
 
-def _diff_digest(commit: str) -> str:
-    """8 hex digits of ``git diff HEAD`` (the uncommitted change a ``-dirty`` commit carries)."""
-    try:
-        out = subprocess.run(["git", "diff", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, timeout=10)
-        return hashlib.sha256(out.stdout).hexdigest()[:8] if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def code_version(versions: dict) -> str:
-    """The code a result came from: 12 digits of the commit, ``+<diff digest>`` for a dirty tree,
+    """The code a result came from: 12 digits of the commit, ``+<diff digest>`` for a dirty tree
+    (the result's ``git_diff``, else :func:`kvbench.store.results.diff_digest` now),
     ``unversioned`` outside git."""
-    commit = (versions or {}).get("git_commit") or ""
+    versions = versions or {}
+    commit = versions.get("git_commit") or ""
     if not commit:
         return "unversioned"
     base = commit.split("-")[0][:12]
-    return f"{base}+{_diff_digest(commit)}" if commit.endswith("-dirty") else base
+    if not commit.endswith("-dirty"):
+        return base
+    return f"{base}+{versions.get('git_diff') or diff_digest()}"
 
 
 def run_id(group: str, job_id: str | None, code: str) -> str | None:

@@ -115,9 +115,15 @@ class Compose(KVMethod):
         self._knobs: dict = {}
 
     def searches(self) -> tuple[str, ...]:
-        """The harness chooses ``split`` by calibration-corpus PPL (§12) when neither ``keep`` nor
-        ``split`` is given (``kvbench/fit/budget_share.py``)."""
-        return ("budget_share",) if self.keep is None and self.split is None else ()
+        """``"budget_share"``: the harness chooses ``split`` by calibration-corpus PPL (§12) when
+        neither ``keep`` nor ``split`` is given (``kvbench/fit/budget_share.py``).
+        ``"measured_keep"``: once configured with a fitted kept fraction whose prediction is not
+        exact (:attr:`prediction_exact`), the harness refits it to the measured headline
+        (``kvbench/fit/measured_keep.py``, :meth:`set_kept_fraction`)."""
+        names = ("budget_share",) if self.keep is None and self.split is None else ()
+        if self._knobs.get("fitted") and not self.prediction_exact:
+            names += ("measured_keep",)
+        return names
 
     # ---- regime, budget ------------------------------------------------------------------------
 
@@ -389,8 +395,7 @@ class Compose(KVMethod):
     # ---- calibration, cache ----------------------------------------------------------------------
 
     def calibration_sample_tokens(self) -> int:
-        ask = getattr(self._codec, "calibration_sample_tokens", None)
-        return int(ask()) if callable(ask) else 0
+        return int(self._codec.calibration_sample_tokens())
 
     def calibrate(self, stats, seed=0):
         if self._codec.needs_calibration:
