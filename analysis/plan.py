@@ -10,8 +10,9 @@ public dataset sizes) over the measured rates in ``DEVICE_DIR``:
   milliseconds at 4k and 32k prompt tokens, scored 128-token requests per second), per batch;
 * ``e2e32k.json`` — each method's prefill and decode rate over plain transformers
   (``python -m kvbench.bench --sections e2e``) at batch 1;
-* a ``python -m kvbench.bench --sections batch`` JSON, when one is there, whose method ratios at
-  the batch asked replace the e2e ones for PPL windows and scoring.
+* any ``python -m kvbench.bench --sections batch`` JSON there: a method's measured items/s over
+  plain transformers' at a batch (PPL windows, scoring, generation) replaces its e2e ratio for
+  that kind of work at that batch.
 
 Every figure is an estimate with its assumptions printed beside it; none is a measurement of the
 sweep itself.
@@ -56,6 +57,8 @@ class Rates:
     step_ms: dict  # (prompt tokens, batch) -> one decode step for the batch
     prefill_ratio: dict = field(default_factory=dict)  # method -> time / plain
     decode_ratio: dict = field(default_factory=dict)  # method -> time / plain
+    #: (kind of work: ppl | score | generate, method, batch) -> time / plain, from a batch section
+    batch_ratio: dict = field(default_factory=dict)
     source: list = field(default_factory=list)
 
     def batch_at(self, table: dict, tokens: int, batch: int) -> tuple[int, int]:
@@ -65,6 +68,12 @@ class Rates:
         length = next((x for x in lengths if x >= tokens), lengths[-1])
         batches = sorted(b for x, b in table if x == length)
         return length, max([b for b in batches if b <= batch] or [batches[0]])
+
+    def measured(self, work: str, method: str, batch: int) -> float | None:
+        """A method's time over plain's for ``work`` at the largest batch <= ``batch`` that a batch
+        section measured, or None."""
+        batches = sorted(b for w, m, b in self.batch_ratio if w == work and m == method and b <= batch)
+        return self.batch_ratio[(work, method, batches[-1])] if batches else None
 
 
 def read_rates(device_dir: Path) -> Rates:
@@ -87,6 +96,14 @@ def read_rates(device_dir: Path) -> Rates:
                 method = row["detail"]["method"]
                 rates.prefill_ratio[method] = ratios["prefill"]
                 rates.decode_ratio[method] = 1.0 / ratios["decode_tok_s"]
+    for path in sorted(device_dir.glob("*.json")):
+        rows = [r for r in json.loads(path.read_text()).get("rows", []) if r.get("section") == "batch"]
+        for row in rows:
+            d = row.get("detail") or {}
+            if d.get("items_per_s") and d.get("plain_items_per_s"):
+                rates.batch_ratio[(d["task"], d["method"], d["batch"])] = d["plain_items_per_s"] / d["items_per_s"]
+        if rows:
+            rates.source.append(str(path))
     return rates
 
 
@@ -120,18 +137,21 @@ def sweep_jobs(experiment: Path) -> tuple[list[Job], list[str], int]:
 
 def job_seconds(job: Job, tasks: list[str], rates: Rates, batch: int) -> dict:
     """Seconds of each task of one job at ``batch``."""
-    pre = rates.prefill_ratio.get(job.method, 1.0)
-    dec = rates.decode_ratio.get(job.method, 1.0)
-    out = {}
+    method, out = job.method, {}
     if "ppl" in tasks and job.method not in NO_IN_PASS:
         length, b = rates.batch_at(rates.prefill, 2048, batch)
         per_token = rates.prefill[(length, b)] / (length * b)  # a window is one forward pass
+        pre = rates.measured("ppl", method, batch) or rates.prefill_ratio.get(method, 1.0)
         out["ppl"] = sum(PAPER_ITEMS["ppl"].values()) * 2048 * per_token * pre
     if "zeroshot" in tasks:
         b = max([x for x in rates.score_per_s if x <= batch] or [min(rates.score_per_s)])
+        pre = rates.measured("score", method, batch) or rates.prefill_ratio.get(method, 1.0)
         out["zeroshot"] = sum(PAPER_ITEMS["zeroshot"].values()) / rates.score_per_s[b] * pre
     if "longbench" in tasks:
         total = 0.0
+        gen = rates.measured("generate", method, batch)
+        pre = gen or rates.prefill_ratio.get(method, 1.0)
+        dec = gen or rates.decode_ratio.get(method, 1.0)
         for items, tokens, new in PAPER_ITEMS["longbench"].values():
             length, b = rates.batch_at(rates.prefill, tokens, batch)
             per_batch = rates.prefill[(length, b)] * tokens / length * pre + new * rates.step_ms[(length, b)] / 1e3 * dec
@@ -147,8 +167,9 @@ ASSUMPTIONS = [
     "(Llama-3.1-8B's for the committed H200 files)",
     "plain transformers' rates: anchor_batch.json at the largest measured batch <= the batch asked and the "
     "shortest measured prompt length >= the item's (a PPL window is a 2048-token prefill at the 4k rate per token)",
-    "a method's time is plain's x its prefill ratio (prefill, PPL, scoring) and x its decode ratio (decode "
-    "steps), measured at batch 1 by the e2e section (32k tokens); a method without e2e figures counts as plain",
+    "a method's time is plain's x its items/s ratio of the batch section at the batch (where a batch JSON is "
+    "in the folder), else x its prefill ratio (prefill, PPL, scoring) and x its decode ratio (decode steps) "
+    "measured at batch 1 by the e2e section (32k tokens); a method without figures counts as plain",
     "every LongBench answer runs to its maximum new tokens (an upper bound); SnapKV's PPL track A is n/a",
 ]
 

@@ -95,7 +95,8 @@ JOBS = {
 
 #: result keys that describe the run rather than its outcome
 VOLATILE = {"timings", "versions", "traceback", "config", "total_s", "started", "finished",
-            "host", "hostname", "commit", "git", "job_id"}  # job_id hashes the checkpoint path
+            "host", "hostname", "commit", "git", "job_id",  # job_id hashes the checkpoint path
+            "batch_size"}  # how many items ran at a time: a batch gives what its rows give alone
 
 
 def fingerprint() -> dict:

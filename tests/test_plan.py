@@ -36,3 +36,20 @@ def test_the_command_prints_the_total_and_its_assumptions(capsys):
     assert main(["plan", str(MAIN), str(H200), "--batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "231 jobs (84 seeds skipped" in out and "GPU-hours" in out and "Assumptions:" in out
+
+
+def test_a_batch_section_replaces_the_e2e_ratio(tmp_path):
+    import json
+    import shutil
+
+    for name in ("anchor_batch.json", "e2e32k.json"):
+        shutil.copy(H200 / name, tmp_path / name)
+    rows = [{"section": "batch", "detail": {"task": "score", "method": "kivi", "batch": 8,
+                                             "items_per_s": 50.0, "plain_items_per_s": 100.0}}]
+    (tmp_path / "batch.json").write_text(json.dumps({"rows": rows}))
+    rates, jobs = read_rates(tmp_path), sweep_jobs(MAIN)[0]
+    kivi = next(j for j in jobs if j.method == "kivi")
+    at8 = job_seconds(kivi, ["zeroshot"], rates, 8)["zeroshot"]
+    assert at8 == sum(PAPER_ITEMS["zeroshot"].values()) / 183.1 * 2.0  # half plain's rate at batch 8
+    at1 = job_seconds(kivi, ["zeroshot"], rates, 1)["zeroshot"]  # no batch-1 figure: the e2e prefill ratio
+    assert at1 == sum(PAPER_ITEMS["zeroshot"].values()) / 28.6 * rates.prefill_ratio["kivi"]
