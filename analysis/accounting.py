@@ -1,4 +1,4 @@
-"""The second accounting beside the headline (docs/methods.md §0.2): end-of-sequence bits and
+"""The second accounting beside the headline (docs/methods.md §0): end-of-sequence bits and
 static bytes.
 
 - **End-of-sequence bpd** (``bpd.end_k``/``end_v``; per task ``bpd.by_task.<task>.end_k/v``): what
@@ -112,7 +112,7 @@ def static_cells(statuses: list[str], model: str, static: list[float], end_k: li
 def static_note(with_unknown: bool) -> str:
     """What the static columns say (and what "?" means in them when ``with_unknown``)."""
     note = ("static MiB = the per-model constants the method fitted (result field static_bytes: "
-            "projections, steps, signs, means), not in bpd (docs/methods.md §0.2), mean over runs; "
+            "projections, steps, signs, means), not in bpd (docs/methods.md §0), mean over runs; "
             "static < 1% from T·B = the tokens × batch from which they are under 1% of the cache, "
             "T·B > 100 × static bytes / ((end bpd_K + end bpd_V) × L·H_kv·d / 8), rounded up "
             "(any = no static bytes).")

@@ -7,7 +7,7 @@ end-of-prefill and end-of-sequence figures beside it. The result's ``bpd`` block
 and the end-of-sequence figure as ``end_k``/``end_v``, and per task ``by_task.<task>.measured_k``,
 ``end_k``, ...; tables and plots use those.
 
-The marks (docs/methods.md §0.1: the budget is a ceiling): a cell is marked † when its measured bpd
+The marks (docs/methods.md §0: the budget is a ceiling): a cell is marked † when its measured bpd
 of the side(s) the budget is about — bpd_K in the K-track (V kept at 16 bits), bpd_KV =
 (bpd_K + bpd_V)/2 in the KV-track (V has its own budget, or the method evicts tokens) — is more than
 2% over the target (not admissible), and ‡ when it is more than 5% under it (admissible, but the
@@ -170,10 +170,10 @@ def side_label(target_v: float) -> str:
 
 
 MARK_WORDS = {
-    DAGGER: f"more than {TOLERANCE:.0%} over the target (the budget is a ceiling, "
-            "docs/methods.md §0.1: the cell is not at its budget)",
-    UNDER: f"more than {UNDER_TOLERANCE:.0%} under the target (admissible, docs/methods.md §0.1, "
-           "but the cell spends fewer bits than its budget)",
+    DAGGER: f"more than {TOLERANCE:.0%} over the target (the budget is a ceiling: the cell is not "
+            "at its budget)",
+    UNDER: f"more than {UNDER_TOLERANCE:.0%} under the target (within the budget, but the cell "
+           "spends fewer bits than its column says)",
 }
 
 

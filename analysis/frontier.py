@@ -11,7 +11,7 @@ no worse, one of the two strictly. FP16 (16 bits) is the reference line, not a f
 
 Output: a Markdown report (stdout or ``--out``) with, per model and metric, a table (rows = lines,
 columns = target budgets; each cell ``metric @ measured bpd_KV``, then ``(end X)``, the
-end-of-sequence bpd_KV, where it differs (docs/methods.md §0.2); front members in bold and marked
+end-of-sequence bpd_KV, where it differs (docs/methods.md §0); front members in bold and marked
 ◆; ``unsupported`` where the method cannot reach the target; the last two columns the line's
 static bytes and the tokens × batch from which they are under 1% of the cache, ranges over its
 budgets, analysis.accounting), the front in order of bpd_KV, and for each target budget the best
@@ -22,7 +22,7 @@ bpd_KV a dotted tick beside it, the marks † and ‡ beside the points and the 
 Decisions where docs/methods.md is silent:
 
 * The front is computed on the points as drawn (seed means); a point's budget column is its target.
-  As in the tables (docs/methods.md §0.1: the budget is a ceiling), a point whose measured figure
+  As in the tables (docs/methods.md §0: the budget is a ceiling), a point whose measured figure
   is more than 2% over its target is marked †, more than 5% under it ‡. The per-budget ranking
   (best line, margin over the runner-up) takes only the points within their target: a † point is
   named as not ranked, since it was measured at a larger budget; a ‡ point is ranked.
@@ -142,7 +142,7 @@ def _static_range(values: list[float], fmt) -> str:
 def static_texts(line: pd.DataFrame) -> tuple[str, str]:
     """(static MiB, T·B from which they are under 1% of the cache) of a line's points: ranges over
     its budgets; the cache per token at each point's end-of-sequence bpd_KV (K and V at bpd_KV
-    each on average, docs/methods.md §0.2)."""
+    each on average, docs/methods.md §0)."""
     shares = [static_under_share(r.static, cache_bytes_per_token(r.model, r.end, r.end))
               for r in line.itertuples()]
     return _static_range(list(line["static"]), fmt_mib), _static_range(shares, fmt_tokens)
@@ -332,9 +332,9 @@ def frontier_report(frame: pd.DataFrame, metrics: list[str] | None, figures: str
     lines = ["# Rate–distortion frontier: eviction × quantization (docs/methods.md §12)", "",
              f"Cells: metric @ measured bpd_KV of the metric's task (the mean over its scored "
              f"positions, docs/methods.md §0), then (end X) = the end-of-sequence bpd_KV, what the "
-             f"cache holds after the last scored position (its peak, §0.2), where it differs; "
+             f"cache holds after the last scored position (its peak), where it differs; "
              f"**bold** {FRONT_MARK} = on the Pareto front; {DAGGER} = measured more than "
-             f"{TOLERANCE:.0%} over the target (not ranked at it: the budget is a ceiling, §0.1); "
+             f"{TOLERANCE:.0%} over the target (not ranked at it: the budget is a ceiling); "
              f"{UNDER} = more than {UNDER_TOLERANCE:.0%} under it. static MiB = the line's "
              "per-model constants (result field static_bytes, not in bpd); static < 1% from T·B = "
              "the tokens × batch from which they are under 1% of the cache, T·B > 100 × static "

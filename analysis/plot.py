@@ -158,7 +158,7 @@ def ran_task(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 def labelled_runs(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") -> pd.DataFrame:
     """The main (non-ablation) runs, one per (variant, seed), with ``_x`` (the measured bpd of
-    the metric's task), ``_end`` (its end-of-sequence figure, docs/methods.md §0.2) and ``label``
+    the metric's task), ``_end`` (its end-of-sequence figure, docs/methods.md §0) and ``label``
     (:func:`line_label`; the options that tell a method's variants apart are taken over all its
     runs, whatever their status)."""
     frame, _ = select_main(add_variants(ran_task(frame, metric)))

@@ -5,7 +5,7 @@ Without options, the PPL datasets and the long-context metric are the ones the t
 (analysis.defaults); every cell whose measured bpd is more than 2% over its target carries a †, more
 than 5% under it a ‡ (analysis.budget), and the notes list the measured figures. The main table
 shows beside each headline bpd the end-of-sequence figure and the static bytes
-(analysis.accounting, docs/methods.md §0.2).
+(analysis.accounting, docs/methods.md §0).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from analysis.select import (
 )
 
 PARTIAL_MARK = " *"
-#: the main table's columns of the two accountings (docs/methods.md §0.2)
+#: the main table's columns of the two accountings (docs/methods.md §0)
 ACCOUNTING_HEADERS = ("bpd_K meas. / end", "bpd_KV meas. / end", "static MiB", "static < 1% from T·B")
 TASK_LABELS = {"ppl": "PPL", "zeroshot": "zero-shot", "longbench": "LongBench",
                "longqa_squad": "longqa_squad", "ruler": "RULER", "ruler_wiki": "ruler_wiki"}
@@ -329,7 +329,7 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
         "when some are not ok. bpd = target bits per K element with V at 16 (K, V when V has its "
         "own budget); meas. = measured, the mean over the scored positions (the ranking figure, "
         "docs/methods.md §0); end = end of sequence, what the cache holds after the last scored "
-        "position (its peak memory, §0.2); both means over runs; bpd_KV = (bpd_K + bpd_V)/2.")
+        "position (its peak memory); both means over runs; bpd_KV = (bpd_K + bpd_V)/2.")
     if datasets:
         table.notes.append(_ppl_note(datasets, partial, set(frame["ppl_used"]),
                                      ppl_protocol(frame, datasets), choice))

@@ -203,7 +203,7 @@ def test_no_dataset_common_to_all_runs_averages_what_each_has(tmp_path, capsys):
     (0.511, 0.5, True), (math.nan, 1.0, False),
 ])
 def test_over_target_threshold(measured, target, expected):
-    """The budget is a ceiling (docs/methods.md §0.1): only more than 2% over it is marked †."""
+    """The budget is a ceiling (docs/methods.md §0): only more than 2% over it is marked †."""
     assert over_target(measured, target) is expected
 
 
