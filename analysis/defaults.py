@@ -376,8 +376,9 @@ def _unlabelled_runs(ok: pd.DataFrame) -> int:
     return int((~labelled & measured).sum())
 
 
-def bpd_convention_note(frame: pd.DataFrame) -> str:
-    """Which measured-bpd convention the figures follow (docs/methods.md §0)."""
+def bpd_convention_note(frame: pd.DataFrame, end_shown: bool = False) -> str:
+    """Which measured-bpd convention the figures follow (docs/methods.md §0); ``end_shown``: the
+    table shows the end-of-sequence figure beside it."""
     ok = ok_runs(frame)
     if ok.empty:
         return ""
@@ -390,9 +391,13 @@ def bpd_convention_note(frame: pd.DataFrame) -> str:
         text = ("Measured bpd = the headline figure of docs/methods.md §0 of each task, the mean "
                 "over its scored positions of the bits each prediction read: " + "; ".join(listed) + ".")
         if tasks:
-            text += (" The meas. columns and the † on bpd use the headline figure, that of the "
-                     f"first task run ({', '.join(tasks)}); a metric's † uses its own task's.")
-        text += (" End-of-prefill (bpd.prefill_end_k/v) and end-of-sequence (bpd.end_k/v) figures "
+            text += (" The meas. columns and the marks († and ‡) on bpd use the headline figure, "
+                     f"that of the first task run ({', '.join(tasks)}); a metric's mark uses its "
+                     "own task's.")
+        text += (" End-of-prefill figures (bpd.prefill_end_k/v) stay in the result files; the end "
+                 "columns show the end-of-sequence figure (bpd.end_k/v) of the same task."
+                 if end_shown else
+                 " End-of-prefill (bpd.prefill_end_k/v) and end-of-sequence (bpd.end_k/v) figures "
                  "stay in the result files.")
         parts.append(text)
     unlabelled = _unlabelled_runs(ok)

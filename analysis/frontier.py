@@ -10,17 +10,22 @@ compressed point beats on both axes: no other point has a measured bpd_KV no lar
 no worse, one of the two strictly. FP16 (16 bits) is the reference line, not a front member.
 
 Output: a Markdown report (stdout or ``--out``) with, per model and metric, a table (rows = lines,
-columns = target budgets; each cell ``metric @ measured bpd_KV``, front members in bold and marked
-◆; ``unsupported`` where the method cannot reach the target), the front in order of bpd_KV, and for
-each target budget the best line and whether a composition is on the front there; and one PNG per
-model and metric (``--figures``), the front drawn as a step line through its members.
+columns = target budgets; each cell ``metric @ measured bpd_KV``, then ``(end X)``, the
+end-of-sequence bpd_KV, where it differs (docs/methods.md §0); front members in bold and marked
+◆; ``unsupported`` where the method cannot reach the target; the last two columns the line's
+static bytes and the tokens × batch from which they are under 1% of the cache, ranges over its
+budgets, analysis.accounting), the front in order of bpd_KV, and for each target budget the best
+line and whether a composition is on the front there; and one PNG per model and metric
+(``--figures``), the front drawn as a step line through its members, each point's end-of-sequence
+bpd_KV a dotted tick beside it, the marks † and ‡ beside the points and the static MiB in the legend.
 
 Decisions where docs/methods.md is silent:
 
-* The front is computed on the points as drawn (seed means); a point's budget column is its target
-  (a point whose measured figure is off its target by more than 2% is marked †, as in the tables).
-  The per-budget ranking (best line, margin over the runner-up) takes only the points at their
-  target: a † point is named as not ranked, since it was measured at another budget.
+* The front is computed on the points as drawn (seed means); a point's budget column is its target.
+  As in the tables (docs/methods.md §0: the budget is a ceiling), a point whose measured figure
+  is more than 2% over its target is marked †, more than 5% under it ‡. The per-budget ranking
+  (best line, margin over the runner-up) takes only the points within their target: a † point is
+  named as not ranked, since it was measured at a larger budget; a ‡ point is ranked.
 * "Is a composition on the front at budget β": some composition's point of target β is a front
   member. Points of different targets compete with each other on the measured axis.
 * Default metrics: the PPL mean over the datasets every run reports, and the long-context metric
@@ -38,7 +43,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.budget import TOLERANCE, budget_target, off_target
+from analysis.accounting import (
+    UNKNOWN, cache_bytes_per_token, fmt_mib, fmt_tokens, static_under_share,
+)
+from analysis.budget import (
+    DAGGER, TOLERANCE, UNDER, UNDER_TOLERANCE, budget_mark, budget_target, over_target,
+)
 from analysis.defaults import choose_long_metric, choose_ppl_datasets
 from analysis.derived import add_ppl_summaries
 from analysis.load import NoResultsError
@@ -51,6 +61,7 @@ from analysis.plot import (
 EVICTION = ("h2o", "snapkv")
 FAMILY_MARKERS = {"eviction": "s", "codec": "o", "composition": "^"}
 FRONT_MARK = "◆"
+UNSUPPORTED_LINE = "—"
 #: PPL axis top at this many times FP16's PPL; points above are marked at the edge with their value
 PPL_CLIP = 6.0
 
@@ -108,9 +119,33 @@ def _cell(point: pd.Series | None, statuses: list[str], decimals: int) -> str:
     y = f"{point['y']:.{decimals}f}"
     if point["n"] >= 2:
         y += f" ± {point['yerr']:.{decimals}f}"
-    dagger = "†" if off_target(point["x"], point["target"]) else ""
-    text = f"{y} @ {point['x']:.3g}{dagger}"
+    text = f"{y} @ {point['x']:.3g}{budget_mark(point['x'], point['target'])}{_end_text(point)}"
     return f"**{text}** {FRONT_MARK}" if point["front"] else text
+
+
+def _end_text(point: pd.Series) -> str:
+    """`` (end 0.48)``: the point's end-of-sequence bpd_KV where it reads otherwise than the
+    measured one (empty when equal or not recorded)."""
+    if math.isnan(point["end"]) or f"{point['end']:.3g}" == f"{point['x']:.3g}":
+        return ""
+    return f" (end {point['end']:.3g})"
+
+
+def _static_range(values: list[float], fmt) -> str:
+    """``"0.36–0.67"`` over a line's budgets (one value when they read alike; "?" if unknown)."""
+    texts = [fmt(v) for v in sorted(values, key=lambda v: (math.isnan(v), v))]
+    if not texts:
+        return UNSUPPORTED_LINE
+    return texts[0] if texts[0] == texts[-1] else f"{texts[0]}–{texts[-1]}"
+
+
+def static_texts(line: pd.DataFrame) -> tuple[str, str]:
+    """(static MiB, T·B from which they are under 1% of the cache) of a line's points: ranges over
+    its budgets; the cache per token at each point's end-of-sequence bpd_KV (K and V at bpd_KV
+    each on average, docs/methods.md §0)."""
+    shares = [static_under_share(r.static, cache_bytes_per_token(r.model, r.end, r.end))
+              for r in line.itertuples()]
+    return _static_range(list(line["static"]), fmt_mib), _static_range(shares, fmt_tokens)
 
 
 def _line_order(lines: set[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -127,33 +162,37 @@ def model_section(points: pd.DataFrame, statuses: dict, model: str, metric: str,
     out = [f"### {model_name(model)}: {words} ({direction(metric)}) against measured bpd_KV", ""]
     if figure is not None:
         out += [f"![frontier]({figure})", ""]
-    head = ["line", "family"] + [f"bpd_KV {fmt_g(t)}" for t in targets]
+    head = (["line", "family"] + [f"bpd_KV {fmt_g(t)}" for t in targets]
+            + ["static MiB", "static < 1% from T·B"])
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     mp = points[points["model"] == model]
     lines = {(lab, meth) for (m, lab, meth, _) in statuses if m == model}
     for label, method in _line_order(lines | {(r.label, r.method) for r in mp.itertuples()}):
+        line = mp[mp["label"] == label]
+        static = list(static_texts(line))
         if family(method) == "reference":
-            ref = mp[mp["label"] == label]
-            value = f"{ref['y'].mean():.{decimals}f} @ 16" if len(ref) else "—"
-            out.append(f"| {label} | reference | " + " | ".join([value] * len(targets)) + " |")
+            value = f"{line['y'].mean():.{decimals}f} @ 16" if len(line) else "—"
+            out.append(f"| {label} | reference | "
+                       + " | ".join([value] * len(targets) + static) + " |")
             continue
         cells = []
         for t in targets:
-            hit = mp[(mp["label"] == label) & (mp["target"] == t)]
+            hit = line[line["target"] == t]
             cells.append(_cell(hit.iloc[0] if len(hit) else None,
                                statuses.get((model, label, method, t), []), decimals))
-        out.append(f"| {label} | {family(method)} | " + " | ".join(cells) + " |")
+        out.append(f"| {label} | {family(method)} | " + " | ".join(cells + static) + " |")
     front = mp[mp["front"]].sort_values("x")
     out += ["", f"{FRONT_MARK} Pareto front, by measured bpd_KV: " + "; ".join(
         f"{r.label} ({fmt_g(r.target)}) {r.y:.{decimals}f} @ {r.x:.3g}" for r in front.itertuples()) + "."]
     for t in targets:
         every = mp[(mp["target"] == t) & (mp["family"] != "reference")]
-        # a comparison holds only at equal measured budget: † points are not ranked at their label
-        at = every[[not off_target(x, t) for x in every["x"]]]
+        # a comparison holds only within the budget: † points (over it) are not ranked at their label
+        at = every[[not over_target(x, t) for x in every["x"]]]
         left_out = sorted(set(every["label"]) - set(at["label"]))
         if at.empty:
             if len(every):
-                out.append(f"- bpd_KV {fmt_g(t)}: no line at its target (all †): no ranking at this budget.")
+                out.append(f"- bpd_KV {fmt_g(t)}: no line within its target (all †): no ranking at "
+                           "this budget.")
             continue
         lower = direction(metric).startswith("lower")
         best = at.loc[at["y"].idxmin() if lower else at["y"].idxmax()]
@@ -165,7 +204,7 @@ def model_section(points: pd.DataFrame, statuses: dict, model: str, metric: str,
         comps = at[(at["family"] == "composition") & at["front"]]
         verdict = ("yes: " + ", ".join(_front_reason(c, best, lower) for _, c in comps.iterrows())
                    if len(comps) else "no")
-        unranked = f" (not ranked, off target †: {', '.join(left_out)})" if left_out else ""
+        unranked = f" (not ranked, over target †: {', '.join(left_out)})" if left_out else ""
         out.append(f"- bpd_KV {fmt_g(t)}: best {best['label']} ({best['y']:.{decimals}f} @ "
                    f"{best['x']:.3g}){_margin(at, best, lower, decimals)}; a composition on the "
                    f"front: {verdict}{unranked}.")
@@ -207,10 +246,11 @@ def draw_frontier(points: pd.DataFrame, metric: str, title: str, ylabel: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     fig, ax = plt.subplots(figsize=(10.0, 5.0))
     colors = plt.get_cmap("tab10")
-    xs, ys = [], []
+    xs, ys, marked, ends = [], [], set(), False
     for i, (label, method) in enumerate(_line_order({(r.label, r.method) for r in points.itertuples()})):
         line = points[points["label"] == label].sort_values("x")
         if family(method) == "reference":
@@ -218,9 +258,23 @@ def draw_frontier(points: pd.DataFrame, metric: str, title: str, ylabel: str):
             ax.axhline(y, label=f"{label} (16 bits): {y:.2f}", **FP16_STYLE)
             ys.append(y)
             continue
+        color = colors(i % 10)
+        mib = static_texts(line)[0]
+        static = "" if mib in ("0", UNKNOWN) else f"\nstatic {mib} MiB"  # a second line: narrow
         ax.errorbar(line["x"], line["y"], yerr=line["yerr"], marker=FAMILY_MARKERS[family(method)],
-                    capsize=3, color=colors(i % 10), label=f"{label} [{family(method)}]",
+                    capsize=3, color=color, label=f"{label} [{family(method)}]{static}",
                     linestyle="-" if family(method) != "composition" else "--")
+        for r in line.itertuples():
+            if math.isfinite(r.end) and abs(r.end - r.x) > 0.005 * r.x:  # end of sequence
+                ax.plot([r.x, r.end], [r.y, r.y], color=color, linestyle=":", linewidth=1.0,
+                        marker="|", markevery=[1], markersize=9, alpha=0.8)
+                xs.append(r.end)
+                ends = True
+            mark = budget_mark(r.x, r.target)
+            if mark:
+                ax.annotate(mark, xy=(r.x, r.y), xytext=(4, 3), textcoords="offset points",
+                            color=color, fontsize="medium", fontweight="bold")
+                marked.add(mark)
         xs += list(line["x"])
         ys += list(line["y"] - line["yerr"]) + list(line["y"] + line["yerr"])
     front = points[points["front"]].sort_values("x")
@@ -243,7 +297,17 @@ def draw_frontier(points: pd.DataFrame, metric: str, title: str, ylabel: str):
     ax.set_title(title, fontsize="medium")
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", alpha=0.12)
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # clear of the points
+    handles, labels = ax.get_legend_handles_labels()
+    if ends:
+        handles.append(Line2D([], [], color="gray", linestyle=":", marker="|", markersize=9))
+        labels.append("end-of-sequence bpd_KV (peak cache)")
+    for mark, words in ((DAGGER, f"more than {TOLERANCE:.0%} over"),
+                        (UNDER, f"more than {UNDER_TOLERANCE:.0%} under")):
+        if mark in marked:  # the mark itself stands beside the points: a text-only entry
+            handles.append(Line2D([], [], linestyle="none"))
+            labels.append(f"{mark} = measured {words} its target")
+    ax.legend(handles, labels, fontsize="x-small", loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))  # clear of the points
     fig.tight_layout()
     return fig
 
@@ -266,8 +330,16 @@ def frontier_report(frame: pd.DataFrame, metrics: list[str] | None, figures: str
     if any(m in DERIVED_METRICS for m in metrics):
         frame = add_ppl_summaries(frame, datasets)
     lines = ["# Rate–distortion frontier: eviction × quantization (docs/methods.md §12)", "",
-             f"Cells: metric @ measured bpd_KV of the metric's task; **bold** {FRONT_MARK} = on the "
-             f"Pareto front; † = measured more than {TOLERANCE:.0%} off the target.", ""]
+             f"Cells: metric @ measured bpd_KV of the metric's task (the mean over its scored "
+             f"positions, docs/methods.md §0), then (end X) = the end-of-sequence bpd_KV, what the "
+             f"cache holds after the last scored position (its peak), where it differs; "
+             f"**bold** {FRONT_MARK} = on the Pareto front; {DAGGER} = measured more than "
+             f"{TOLERANCE:.0%} over the target (not ranked at it: the budget is a ceiling); "
+             f"{UNDER} = more than {UNDER_TOLERANCE:.0%} under it. static MiB = the line's "
+             "per-model constants (result field static_bytes, not in bpd); static < 1% from T·B = "
+             "the tokens × batch from which they are under 1% of the cache, T·B > 100 × static "
+             "bytes / (2 × end bpd_KV × L·H_kv·d / 8), rounded up (any = no static bytes); both "
+             "ranges over the line's budgets.", ""]
     written: list[Path] = []
     for metric in metrics:
         if metric not in available_metrics(frame):

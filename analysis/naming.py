@@ -37,6 +37,17 @@ MODEL_NAMES = {
     "smollm2_135m": "SmolLM2-135M",
 }
 
+# Per-token cache shape of each model in conf/model/: (layers L, KV heads H_kv, head dim d), so
+# that one side of the cache holds L·H_kv·d elements per token. Result files do not record it.
+# docs/methods.md §0 for the 7-8B models; SmolLM2-135M from its GGUF header (30 blocks, 3 KV heads,
+# 576 / 9 query heads = 64).
+MODEL_SHAPES = {
+    "llama3_8b": (32, 8, 128),
+    "mistral_7b": (32, 8, 128),
+    "qwen25_7b": (28, 4, 128),
+    "smollm2_135m": (30, 3, 64),
+}
+
 PPL_DATASET_NAMES = {"wikitext2": "WikiText-2", "ptb": "PTB", "c4": "C4"}
 PPL_DATASET_ORDER = ["wikitext2", "ptb", "c4"]  # the paper's order; others follow alphabetically
 
@@ -90,6 +101,13 @@ def method_name(method: str) -> str:
 def model_name(model: str) -> str:
     """Display name of a model id ("llama3_8b" -> "LLaMA-3.1-8B"); unknown ids are shown as is."""
     return MODEL_NAMES.get(model, model)
+
+
+def kv_elements_per_token(model: str) -> int | None:
+    """Elements of one side (K or V) of the cache per token, L·H_kv·d (None for a model not in
+    MODEL_SHAPES)."""
+    shape = MODEL_SHAPES.get(model)
+    return None if shape is None else math.prod(shape)
 
 
 def ppl_dataset_name(dataset: str) -> str:

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from analysis.accounting import present_mean
 from analysis.budget import budget_target, bpd_task_of, is_fp16, is_kv_track, measured_sides
 from analysis.defaults import choose_long_metric, choose_ppl_datasets, long_header, zeroshot_tasks
 from analysis.derived import add_ppl_summaries
@@ -107,7 +108,9 @@ def default_metric(frame: pd.DataFrame) -> str:
 
 
 def rate_distortion_points(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") -> pd.DataFrame:
-    """One row per (model, line label, variant): x mean, y mean, y std (0 for n=1), n.
+    """One row per (model, line label, variant): x mean, y mean, y std (0 for n=1), n, target,
+    end (the end-of-sequence figure on the x axis' side(s), NaN where not recorded) and static
+    (static bytes, NaN where not recorded), both means over the runs that record them.
 
     The input is the runs frame after ``add_ppl_summaries``; ablation runs are left out, as in
     the main table. x is the measured bpd of the metric's task (``bpd.by_task`` where present).
@@ -130,8 +133,12 @@ def rate_distortion_points(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") 
                     "x": statistics.fmean(runs["_x"]), "y": statistics.fmean(ys),
                     "yerr": statistics.stdev(ys) if len(ys) >= 2 else 0.0, "n": len(ys),
                     "target": budget_target(first["target_k"], first["target_v"]),
+                    "end": present_mean(runs["_end"]),
+                    "static": present_mean(runs["static_bytes"]) if "static_bytes" in runs.columns
+                    else math.nan,
                 })
-    return pd.DataFrame(rows, columns=["model", "method", "label", "x", "y", "yerr", "n", "target"])
+    return pd.DataFrame(rows, columns=["model", "method", "label", "x", "y", "yerr", "n", "target",
+                                       "end", "static"])
 
 
 def ran_task(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -151,14 +158,18 @@ def ran_task(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 def labelled_runs(frame: pd.DataFrame, metric: str, x: str = "bpd_kv") -> pd.DataFrame:
     """The main (non-ablation) runs, one per (variant, seed), with ``_x`` (the measured bpd of
-    the metric's task) and ``label`` (:func:`line_label`; the options that tell a method's
-    variants apart are taken over all its runs, whatever their status)."""
+    the metric's task), ``_end`` (its end-of-sequence figure, docs/methods.md §0) and ``label``
+    (:func:`line_label`; the options that tell a method's variants apart are taken over all its
+    runs, whatever their status)."""
     frame, _ = select_main(add_variants(ran_task(frame, metric)))
     frame = drop_duplicate_seeds(frame)
     if frame.empty:
-        return frame.assign(_x=pd.Series(dtype=float), label=pd.Series(dtype=object))
+        return frame.assign(_x=pd.Series(dtype=float), _end=pd.Series(dtype=float),
+                            label=pd.Series(dtype=object))
     mk, mv = measured_sides(frame, bpd_task_of(metric))
-    frame = frame.assign(_x=mk if x == "bpd_k" else (mk + mv) / 2)
+    ek, ev = measured_sides(frame, bpd_task_of(metric), "end")
+    frame = frame.assign(_x=mk if x == "bpd_k" else (mk + mv) / 2,
+                         _end=ek if x == "bpd_k" else (ek + ev) / 2)
     labels = pd.Series("", index=frame.index, dtype=object)
     for (_, method), runs in frame.groupby(["model", "method"], sort=False):
         variants = runs.groupby("variant", sort=False)

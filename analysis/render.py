@@ -14,7 +14,8 @@ LATEX_CHARS = {
     "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
     "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
     "±": r"$\pm$", "—": "---", "↓": r"$\downarrow$", "↑": r"$\uparrow$", "≥": r"$\geq$",
-    "×": r"$\times$", "†": r"\textdagger{}",
+    "×": r"$\times$", "†": r"\textdagger{}", "‡": r"\textdaggerdbl{}", "·": r"$\cdot$",
+    "<": r"$<$", ">": r"$>$",
 }
 
 

@@ -19,12 +19,11 @@ import statistics
 
 import pandas as pd
 
-from analysis.budget import DAGGER
 from analysis.cells import Cell, Column, Table, count_cell, mean_cell, stat_cell
 from analysis.load import NoResultsError
 from analysis.naming import RULER_TASK_HEADERS, model_name, order_key
 from analysis.select import add_variants, drop_duplicate_seeds, experiment_of
-from analysis.tables import DaggerLog, _budget_text, _column, append_budget_notes, labelled_variants
+from analysis.tables import MarkLog, _budget_text, _column, append_budget_notes, labelled_variants
 
 #: the metric blocks of RULER: its own data, or the offline stand-in (docs/design.md §5)
 BENCHMARKS = ("ruler", "ruler_wiki")
@@ -125,7 +124,7 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
         Column("eval s", "num"), Column("prompt tokens", "num"), Column("n", "num"),
     ], group_column=0)
 
-    daggers, items = DaggerLog(), {}
+    marks, items = MarkLog(), {}
     for label, runs in labelled_variants(frame):
         first = runs.iloc[0]
         statuses = list(runs["status"])
@@ -138,12 +137,12 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
                 cells = {t: stat_cell(statuses, _column(runs, prefix + t), 1) for t in tasks}
                 cells["avg"] = stat_cell(statuses, _column(runs, prefix + "avg"), 2)
                 row_name = f"{model_name(first.model)} {label} at {budget}, {bench} {length}"
-                headline, cells = daggers.mark_row(
+                headline, cells = marks.mark_row(
                     row_name, runs, {f"{bench}_{k}": c for k, c in cells.items()})
                 items[row_name] = _items_key(runs, bench, length, tasks)
                 table.rows.append([
                     Cell(model_name(first.model)), Cell(label), Cell(bench), Cell(str(length)),
-                    Cell(_protocol_text(runs, bench)), Cell(budget + (DAGGER if headline else "")),
+                    Cell(_protocol_text(runs, bench)), Cell(budget + headline),
                     mean_cell(statuses, _column(runs, "bpd_kv")),
                     *cells.values(), _time_text(runs, bench),
                     _prompt_range(runs, bench, length), count_cell(statuses),
@@ -166,5 +165,5 @@ def ruler_table(frame: pd.DataFrame, experiment: str | None = None) -> Table:
         "RULER evaluation (generation and scoring), mean over runs, on the machine that ran it. "
         "prompt tokens = the range of tokens the model read per item (chat template included).")
     table.notes.append(_items_note(items, tasks))
-    append_budget_notes(table, frame, daggers)
+    append_budget_notes(table, frame, marks)
     return table

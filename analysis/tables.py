@@ -2,8 +2,10 @@
 
 Both return a format-independent ``cells.Table``; ``render`` turns it into Markdown, LaTeX or CSV.
 Without options, the PPL datasets and the long-context metric are the ones the table's runs have
-(analysis.defaults); every cell whose measured bpd is more than 2% off its target carries a †
-(analysis.budget) and the notes list the measured figures.
+(analysis.defaults); every cell whose measured bpd is more than 2% over its target carries a †, more
+than 5% under it a ‡ (analysis.budget), and the notes list the measured figures. The main table
+shows beside each headline bpd the end-of-sequence figure and the static bytes
+(analysis.accounting, docs/methods.md §0).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Iterator, Sequence
 
 import pandas as pd
 
+from analysis.accounting import pair_cell, static_cells, static_note
 from analysis.budget import (
-    DAGGER, bpd_task_of, dagger_note, has_own_figure, row_mark, side_label,
+    DAGGER, UNDER, bpd_task_of, has_own_figure, mark_note, measured_sides, row_mark, side_label,
 )
 from analysis.cells import (
     NOT_APPLICABLE, Cell, Column, Table, count_cell, marker_notes, mean_cell, not_applicable,
@@ -39,6 +42,8 @@ from analysis.select import (
 )
 
 PARTIAL_MARK = " *"
+#: the main table's columns of the two accountings (docs/methods.md §0)
+ACCOUNTING_HEADERS = ("bpd_K meas. / end", "bpd_KV meas. / end", "static MiB", "static < 1% from T·B")
 TASK_LABELS = {"ppl": "PPL", "zeroshot": "zero-shot", "longbench": "LongBench",
                "longqa_squad": "longqa_squad", "ruler": "RULER", "ruler_wiki": "ruler_wiki"}
 
@@ -121,61 +126,72 @@ def _budget_text(target_k: float, target_v: float) -> str:
     return fmt_bpd(target_k)
 
 
-# ---------------------------------------------------------------- † marks
+# ---------------------------------------------------------------- † and ‡ marks
 
-def _with_dagger(cell: Cell) -> Cell:
-    """The cell with † appended to its number (markers such as "—" or "fail" stay as they are)."""
-    if cell.mean is None:
+def _with_mark(cell: Cell, mark: str) -> Cell:
+    """The cell with ``mark`` appended to its number (markers such as "—" or "fail" stay as they
+    are)."""
+    if cell.mean is None or not mark:
         return cell
-    return Cell(cell.text + DAGGER, cell.mean, cell.std, cell.n)
+    return Cell(cell.text + mark, cell.mean, cell.std, cell.n)
 
 
 @dataclass
-class DaggerLog:
-    """The marked rows of a table and their measured figures, for the † note."""
+class MarkLog:
+    """The marked rows of a table and their measured figures, for the † and ‡ notes."""
 
-    entries: list[str] = field(default_factory=list)
+    entries: dict[str, list[str]] = field(default_factory=lambda: {DAGGER: [], UNDER: []})
 
     def mark_row(self, row_name: str, runs: pd.DataFrame,
-                 cells: dict[str, Cell]) -> tuple[bool, dict[str, Cell]]:
-        """Mark the row's metric cells (by task) and say whether the headline figure is off.
+                 cells: dict[str, Cell]) -> tuple[str, dict[str, Cell]]:
+        """Mark the row's metric cells (by task) and give the headline figure's mark.
 
-        ``cells`` maps metric column -> its cell; returns (headline marked, cells with †).
+        ``cells`` maps metric column -> its cell; returns (headline mark or "", cells with marks).
         """
         headline, figure = row_mark(runs)
         side = side_label(float(runs.iloc[0].target_v))
-        parts = [f"{side} {figure:.2f} (meas.)"] if headline else []
+        parts: dict[str, list[str]] = {DAGGER: [], UNDER: []}
+        if headline:
+            parts[headline].append(f"{side} {figure:.2f} (meas.)")
         out, seen = {}, set()
         for column, cell in cells.items():
             task = bpd_task_of(column)
-            marked, value = row_mark(runs, task)
+            mark, value = row_mark(runs, task)
             own = has_own_figure(runs, task)
-            if marked and cell.mean is not None:
-                cell = _with_dagger(cell)
-                same = headline and f"{value:.2f}" == f"{figure:.2f}"
+            if mark and cell.mean is not None:
+                cell = _with_mark(cell, mark)
+                same = headline == mark and f"{value:.2f}" == f"{figure:.2f}"
                 if task not in seen and not same:
                     name = TASK_LABELS.get(task, task) if own else side
-                    parts.append(f"{name} {value:.2f}")
+                    parts[mark].append(f"{name} {value:.2f}")
                 seen.add(task)
             out[column] = cell
-        if parts:
-            self.entries.append(f"{row_name}: " + ", ".join(parts))
+        for mark, listed in parts.items():
+            if listed:
+                self.entries[mark].append(f"{row_name}: " + ", ".join(listed))
         return headline, out
 
     def notes(self) -> list[str]:
-        return [dagger_note(self.entries)] if self.entries else []
+        return [mark_note(mark, listed) for mark, listed in self.entries.items() if listed]
 
 
-def append_budget_notes(table: Table, frame: pd.DataFrame, daggers: DaggerLog) -> None:
+def append_budget_notes(table: Table, frame: pd.DataFrame, marks: MarkLog,
+                        static_column: bool = False) -> None:
     """The notes every table ends its budget notes with: the measured-bpd convention of the
-    runs, the † list and what the table's markers ("—", "fail", ...) mean."""
-    convention = bpd_convention_note(frame)
+    runs, the static bytes (a list per method, or what the static columns say when the table has
+    them), the † and ‡ lists and what the table's markers ("—", "fail", ...) mean."""
+    convention = bpd_convention_note(frame, end_shown=static_column)
     if convention:
         table.notes.append(convention)
-    static = static_bytes_note(frame)
-    if static:
-        table.notes.append(static)
-    table.notes.extend(daggers.notes())
+    if static_column:
+        shown = [i for i, c in enumerate(table.columns) if c.header in ACCOUNTING_HEADERS]
+        table.notes.append(static_note(any(row[i].text == "?" or row[i].text.endswith(" / ?")
+                                           for row in table.rows for i in shown)))
+    else:
+        static = static_bytes_note(frame)
+        if static:
+            table.notes.append(static)
+    table.notes.extend(marks.notes())
     table.notes.extend(marker_notes(table))
 
 
@@ -277,12 +293,13 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
         metrics.append((Column(_long_column_header(LONGBENCH_8SET), "stat"), LONGBENCH_8SET, 2,
                         1.0))
     table = Table(columns=[
-        Column("Model"), Column("Method"), Column("bpd"), Column("bpd_K meas.", "num"),
-        Column("bpd_KV meas.", "num"), *(c for c, *_ in metrics), Column("n", "num"),
+        Column("Model"), Column("Method"), Column("bpd"),
+        *(Column(header, "num") for header in ACCOUNTING_HEADERS),
+        *(c for c, *_ in metrics), Column("n", "num"),
     ], group_column=0)
 
     full = ",".join(datasets)
-    daggers = DaggerLog()
+    marks = MarkLog()
     for label, runs in labelled_variants(frame):
         first = runs.iloc[0]
         statuses = list(runs["status"])
@@ -295,13 +312,14 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
             cells[metric] = _metric_cell(runs, statuses, metric, decimals, scale=scale,
                                          suffix=suffix)
         budget = _budget_text(first.target_k, first.target_v)
-        headline, cells = daggers.mark_row(
+        headline, cells = marks.mark_row(
             f"{model_name(first.model)} {label} at {budget}", runs, cells)
+        end_k, end_v = (list(s) for s in measured_sides(runs, figure="end"))
         table.rows.append([
-            Cell(model_name(first.model)), Cell(label),
-            Cell(budget + (DAGGER if headline else "")),
-            mean_cell(statuses, _column(runs, "measured_k")),
-            mean_cell(statuses, _column(runs, "bpd_kv")),
+            Cell(model_name(first.model)), Cell(label), Cell(budget + headline),
+            pair_cell(statuses, _column(runs, "measured_k"), end_k),
+            pair_cell(statuses, _column(runs, "bpd_kv"), [(k + v) / 2 for k, v in zip(end_k, end_v)]),
+            *static_cells(statuses, first.model, _column(runs, "static_bytes"), end_k, end_v),
             *(cells[m] for _, m, *_ in metrics),
             count_cell(statuses),
         ])
@@ -309,7 +327,9 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
     table.notes.append(
         "Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total "
         "when some are not ok. bpd = target bits per K element with V at 16 (K, V when V has its "
-        "own budget); meas. = measured, mean over runs; bpd_KV = (bpd_K + bpd_V)/2.")
+        "own budget); meas. = measured, the mean over the scored positions (the ranking figure, "
+        "docs/methods.md §0); end = end of sequence, what the cache holds after the last scored "
+        "position (its peak memory); both means over runs; bpd_KV = (bpd_K + bpd_V)/2.")
     if datasets:
         table.notes.append(_ppl_note(datasets, partial, set(frame["ppl_used"]),
                                      ppl_protocol(frame, datasets), choice))
@@ -319,7 +339,7 @@ def main_table(frame: pd.DataFrame, ppl_datasets: Sequence[str] | None = None,
         table.notes.append(long_note(frame, long_metric, long_others))
     if any(m == LONGBENCH_8SET for _, m, *_ in metrics) and long_metric != LONGBENCH_8SET:
         table.notes.append(long_note(frame, LONGBENCH_8SET))
-    append_budget_notes(table, frame, daggers)
+    append_budget_notes(table, frame, marks, static_column=True)
     absent = [name for name, present in (("PPL", bool(datasets)), ("zero-shot", with_zeroshot),
                                          ("long-context", long_metric is not None))
               if not present]
@@ -456,7 +476,7 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
     variants = list(iter_variants(frame, sort_key))
     labels = [(r.iloc[0].model, ablation_label(r.iloc[0].method, r.iloc[0].target_k,
                                                r.iloc[0].target_v, o)) for o, r in variants]
-    daggers = DaggerLog()
+    marks = MarkLog()
     for (options, runs), (model, label) in zip(variants, labels):
         siblings = [o for (o, _), lab in zip(variants, labels) if lab == (model, label)]
         keys = distinguishing_options(siblings)
@@ -469,11 +489,10 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
         measured = Cell(mk.text if mk.text == mv.text == "—" else f"({mk.text}, {mv.text})")
         target_v = first.target_v if is_split(first.target_v) else FP16_BITS
         cells = {m: _metric_cell(runs, statuses, m, 2) for _, m in metrics}
-        headline, cells = daggers.mark_row(f"{label} ({model_name(first.model)})", runs, cells)
+        headline, cells = marks.mark_row(f"{label} ({model_name(first.model)})", runs, cells)
         table.rows.append([
             Cell(label), Cell(model_name(first.model)),
-            Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})"
-                 + (DAGGER if headline else "")),
+            Cell(f"({fmt_bpd(first.target_k)}, {fmt_bpd(target_v)})" + headline),
             measured, *(cells[m] for _, m in metrics), *(_time_cell(runs, col, cached) for _, col, cached in timed),
             count_cell(statuses),
         ])
@@ -502,7 +521,7 @@ def ablation_table(frame: pd.DataFrame, ppl_dataset: str | None = None,
             "them (a run that found them in $KVBENCH_CACHE took 0 and is left out; 'cached' = "
             "every run did); sens. s = the layer-sensitivity passes (and the K/V exchange-rate "
             "passes of cobra_plus's joint K/V allocation), likewise; none = the row has no such step.")
-    append_budget_notes(table, frame, daggers)
+    append_budget_notes(table, frame, marks)
     absent = [name for name, present in (("PPL", bool(ppl_col)),
                                          ("long-context", long_metric is not None)) if not present]
     if absent:

@@ -104,24 +104,25 @@ def runs(tmp_path: Path) -> Path:
 
 
 MAIN_MD = """\
-| Model        | Method       | bpd      | bpd_K meas. | bpd_KV meas. | PPL arith. mean ↓ | PPL geo. mean ↓ | Zero-shot avg (%) ↑ |     LongBench F1 ↑ |   n |
-|:-------------|:-------------|:---------|------------:|-------------:|------------------:|----------------:|--------------------:|-------------------:|----:|
-| LLaMA-3.1-8B | FP16         | 16.0     |       16.00 |        16.00 |             16.00 |           13.56 |                55.4 |              15.80 |   1 |
-| LLaMA-3.1-8B | KIVI         | 1.0      |           — |            — |                 — |               — |                   — |                  — | 0/1 |
-| LLaMA-3.1-8B | KIVI (R=32)  | 2.0      |        2.00 |         9.00 |             17.00 |           14.76 |                55.0 |              15.00 |   1 |
-| LLaMA-3.1-8B | KIVI (R=128) | 2.0      |        2.00 |         9.00 |             16.50 |           14.16 |                55.0 |              15.00 |   1 |
-| LLaMA-3.1-8B | KQ-SVD       | 1.0      |        1.00 |         8.50 |              fail |            fail |                fail |               fail | 0/1 |
-| LLaMA-3.1-8B | KV-COBRA-MSE | 1.0      |        1.00 |         8.50 |      22.00 ± 0.00 |    20.37 ± 0.00 |             missing | 10.50 ± 1.29 (n=4) |   5 |
-| LLaMA-3.1-8B | KV-COBRA-KL  | 1.0      |        1.00 |         8.50 |      22.00 ± 1.58 |    20.36 ± 1.72 |          53.0 ± 1.6 |       12.00 ± 0.79 |   5 |
-| LLaMA-3.1-8B | H2O          | 1.0, 1.0 |        1.00 |         1.00 |        div. (1/2) |      div. (1/2) |          div. (1/2) |         div. (1/2) | 1/2 |
-| Mistral-7B   | FP16         | 16.0     |       16.00 |        16.00 |             15.00 |           12.33 |                56.3 |              11.54 |   1 |
-| Mistral-7B   | KV-COBRA-KL  | 0.5      |        0.50 |         8.25 |             36.00 |           35.05 |                52.5 |               8.73 |   1 |
+| Model        | Method       | bpd      | bpd_K meas. / end | bpd_KV meas. / end | static MiB | static < 1% from T·B | PPL arith. mean ↓ | PPL geo. mean ↓ | Zero-shot avg (%) ↑ |     LongBench F1 ↑ |   n |
+|:-------------|:-------------|:---------|------------------:|-------------------:|-----------:|---------------------:|------------------:|----------------:|--------------------:|-------------------:|----:|
+| LLaMA-3.1-8B | FP16         | 16.0     |         16.00 / ? |          16.00 / ? |          ? |                    ? |             16.00 |           13.56 |                55.4 |              15.80 |   1 |
+| LLaMA-3.1-8B | KIVI         | 1.0      |                 — |                  — |          — |                    — |                 — |               — |                   — |                  — | 0/1 |
+| LLaMA-3.1-8B | KIVI (R=32)  | 2.0      |          2.00 / ? |           9.00 / ? |          ? |                    ? |             17.00 |           14.76 |                55.0 |              15.00 |   1 |
+| LLaMA-3.1-8B | KIVI (R=128) | 2.0      |          2.00 / ? |           9.00 / ? |          ? |                    ? |             16.50 |           14.16 |                55.0 |              15.00 |   1 |
+| LLaMA-3.1-8B | KQ-SVD       | 1.0      |          1.00 / ? |           8.50 / ? |          ? |                    ? |              fail |            fail |                fail |               fail | 0/1 |
+| LLaMA-3.1-8B | KV-COBRA-MSE | 1.0      |          1.00 / ? |           8.50 / ? |          ? |                    ? |      22.00 ± 0.00 |    20.37 ± 0.00 |             missing | 10.50 ± 1.29 (n=4) |   5 |
+| LLaMA-3.1-8B | KV-COBRA-KL  | 1.0      |          1.00 / ? |           8.50 / ? |          ? |                    ? |      22.00 ± 1.58 |    20.36 ± 1.72 |          53.0 ± 1.6 |       12.00 ± 0.79 |   5 |
+| LLaMA-3.1-8B | H2O          | 1.0, 1.0 |          1.00 / ? |           1.00 / ? |          ? |                    ? |        div. (1/2) |      div. (1/2) |          div. (1/2) |         div. (1/2) | 1/2 |
+| Mistral-7B   | FP16         | 16.0     |         16.00 / ? |          16.00 / ? |          ? |                    ? |             15.00 |           12.33 |                56.3 |              11.54 |   1 |
+| Mistral-7B   | KV-COBRA-KL  | 0.5      |          0.50 / ? |           8.25 / ? |          ? |                    ? |             36.00 |           35.05 |                52.5 |               8.73 |   1 |
 
-- Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total when some are not ok. bpd = target bits per K element with V at 16 (K, V when V has its own budget); meas. = measured, mean over runs; bpd_KV = (bpd_K + bpd_V)/2.
+- Cells: mean ± sample std over seeds (std only when n ≥ 2); n = runs (seeds), ok/total when some are not ok. bpd = target bits per K element with V at 16 (K, V when V has its own budget); meas. = measured, the mean over the scored positions (the ranking figure, docs/methods.md §0); end = end of sequence, what the cache holds after the last scored position (its peak memory); both means over runs; bpd_KV = (bpd_K + bpd_V)/2.
 - PPL arith. mean = arithmetic mean of each run's PPL over wikitext2, ptb, c4 (the seed's convention, dominated by the largest PPL); geo. mean = geometric mean over the same datasets (track not recorded; the datasets every run with PPL reports, --ppl-datasets overrides).
 - Zero-shot avg = zeroshot_avg × 100 (the result's mean; its tasks are not recorded).
 - LongBench F1 = longbench_avg, the result's mean (its subsets are not recorded).
 - 16 ok run(s) carry no bpd convention label (result files written before docs/methods.md §0 was labelled): their measured bpd is as recorded, the cache at the end of each PPL window (or of the last task).
+- static MiB = the per-model constants the method fitted (result field static_bytes: projections, steps, signs, means), not in bpd (docs/methods.md §0), mean over runs; static < 1% from T·B = the tokens × batch from which they are under 1% of the cache, T·B > 100 × static bytes / ((end bpd_K + end bpd_V) × L·H_kv·d / 8), rounded up (any = no static bytes). ? = not recorded in the result files (or a model whose L·H_kv·d analysis/naming.py does not know).
 - — = unsupported: the method cannot reach this budget (every run reported status `unsupported`).
 - div. = diverged: at least one seed diverged (k/n = diverged of all runs); no mean is shown, since dropping the diverged seeds would flatter the method.
 - fail = at least one run failed (k/n = failed of all runs; see `error` in its result.json); rerun it before reporting.

@@ -1,4 +1,4 @@
-"""Analysis defaults on any sweep and the † rule for measured bpd.
+"""Analysis defaults on any sweep and the † / ‡ rules for measured bpd.
 
 Runs are built from ``tests/data/analysis_smollm2_cobra_kl_result.json``, a real result file of
 ``python -m kvbench.run`` (SmolLM2, offline embedded task: ptb + wiki_proxy, the five zero-shot
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.budget import off_target
+from analysis.budget import over_target, under_target
 from analysis.cli import main
 from analysis.derived import add_ppl_summaries
 from analysis.load import load_runs_dir
@@ -195,59 +195,80 @@ def test_no_dataset_common_to_all_runs_averages_what_each_has(tmp_path, capsys):
     assert "No dataset is reported by every run that has PPL." in out
 
 
-# ---------------------------------------------------------------- the † rule
+# ---------------------------------------------------------------- the † and ‡ rules
 
 @pytest.mark.parametrize("measured, target, expected", [
     (1.0, 1.0, False), (1.02, 1.0, False), (0.98, 1.0, False), (1.0201, 1.0, True),
-    (0.9799, 1.0, True), (4.86, 3.0, True), (0.51, 0.5, False),
+    (0.9799, 1.0, False), (0.5, 1.0, False), (4.86, 3.0, True), (0.51, 0.5, False),
     (0.511, 0.5, True), (math.nan, 1.0, False),
 ])
-def test_off_target_threshold(measured, target, expected):
-    assert off_target(measured, target) is expected
+def test_over_target_threshold(measured, target, expected):
+    """The budget is a ceiling (docs/methods.md §0): only more than 2% over it is marked †."""
+    assert over_target(measured, target) is expected
 
 
-def naive_mark(method: str, k: float, v: float, mk: float, mv: float) -> bool:
-    """Independent statement of the rule: K-track compares bpd_K, KV-track (K + V)/2."""
+@pytest.mark.parametrize("measured, target, expected", [
+    (1.0, 1.0, False), (0.96, 1.0, False), (0.95, 1.0, False), (0.9499, 1.0, True),
+    (0.94, 1.0, True), (1.5, 1.0, False), (0.475, 0.5, False), (0.47, 0.5, True),
+    (math.nan, 1.0, False),
+])
+def test_under_target_threshold(measured, target, expected):
+    assert under_target(measured, target) is expected
+
+
+def naive_mark(method: str, k: float, v: float, mk: float, mv: float) -> str:
+    """Independent statement of the rules: K-track compares bpd_K, KV-track (K + V)/2; more than
+    2% over is †, more than 5% under is ‡."""
     if method == "fp16" or (k, v) == (16.0, 16.0):
-        return False
+        return ""
     if v == 16.0:
         measured, target = mk, k
     else:
         measured, target = (mk + mv) / 2, (k + v) / 2
-    return abs(measured - target) / target > 0.02 + 1e-12
+    if (measured - target) / target > 0.02 + 1e-12:
+        return "†"
+    return "‡" if (target - measured) / target > 0.05 + 1e-12 else ""
 
 
 CASES = [  # method, target (K, V), measured (K, V)
     ("kivi", 3.0, 16.0, 4.86, 16.0),      # K-track, the issue's KIVI: marked
     ("svdq", 1.0, 16.0, 1.015, 16.0),     # 1.5% off: not marked
     ("svdq", 1.0, 16.0, 1.03, 16.0),      # 3% off: marked
+    ("svdq", 1.0, 16.0, 0.97, 16.0),      # 3% under: admissible, not marked
+    ("svdq", 1.0, 16.0, 0.96, 16.0),      # 4% under: not marked
+    ("svdq", 1.0, 16.0, 0.94, 16.0),      # 6% under: ‡
     ("cobra_kl", 1.0, 16.0, 1.0, 17.0),   # K-track: V is not what the budget is about
     ("cobra_kl", 1.0, 4.0, 1.0, 4.2),     # KV-track: bpd_KV 2.6 vs 2.5, 4% off: marked
     ("kqsvd", 1.0, 4.0, 1.5, 3.55),       # KV-track: K 50% off but bpd_KV 2.525 (1%): not
     ("h2o", 1.0, 1.0, 1.18, 1.18),        # eviction: KV-track, 18% off: marked
     ("h2o", 0.5, 0.5, 0.505, 0.505),      # 1%: not
+    ("h2o", 1.0, 1.0, 0.96, 0.96),        # 4% under: not
+    ("cobra_kl", 1.0, 4.0, 0.8, 3.9),     # KV-track: bpd_KV 2.35 vs 2.5, 6% under: ‡
+    ("cobra_kl", 1.0, 4.0, 0.5, 4.4),     # KV-track: K 50% under but bpd_KV 2.45 (2%): not
     ("fp16", 16.0, 16.0, 16.0, 16.0),     # the baseline: never
     ("fp16", 1.0, 16.0, 16.0, 16.0),      # an old FP16 file with the default bpd: never
 ]
 
 
 @pytest.mark.parametrize("method, k, v, mk, mv", CASES)
-def test_dagger_matches_the_naive_rule_in_both_tracks(tmp_path, capsys, method, k, v, mk, mv):
+def test_marks_match_the_naive_rule_in_both_tracks(tmp_path, capsys, method, k, v, mk, mv):
     root = tmp_path / "runs"
     real_run(root, "run", method=method, k=k, v=v, mk=mk, mv=mv)
     code, out, _ = run_cli(["main-table", root], capsys)
     assert code == 0
     line = next(line for line in out.splitlines() if line.startswith("| SmolLM2"))
     row = dict(zip(cells(out.splitlines()[0]), cells(line)))
-    marked = naive_mark(method, k, v, mk, mv)
-    assert row["bpd"].endswith("†") is marked, row
+    mark = naive_mark(method, k, v, mk, mv)
+    budget = row["bpd"].rstrip("†‡")
+    assert row["bpd"] == budget + mark, row
     metric_cells = [row[h] for h in row if h.endswith(("↓", "↑"))]
-    assert metric_cells and all(c.endswith("†") is marked for c in metric_cells), row
-    assert ("† = the measured bpd" in out) is marked
-    if marked:
+    assert metric_cells and all(c.rstrip("†‡") + mark == c for c in metric_cells), row
+    for symbol in "†‡":
+        assert (f"{symbol} = the measured bpd" in out) is (mark == symbol)
+    if mark:
         side = "bpd_K" if v == 16.0 else "bpd_KV"
         figure = mk if v == 16.0 else (mk + mv) / 2
-        assert f"at {row['bpd'][:-1]}: {side} {figure:.2f} (meas.)" in out
+        assert f"at {budget}: {side} {figure:.2f} (meas.)" in out
 
 
 def test_dagger_uses_the_task_figure_where_the_file_has_one(tmp_path, capsys):

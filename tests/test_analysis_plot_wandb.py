@@ -108,7 +108,7 @@ def test_wandb_runs_build_the_same_table(capsys):
     table = main_table(frame)
     [row] = table.rows
     assert [c.text for c in row][:2] == ["LLaMA-3.1-8B", "KV-COBRA-KL"]
-    assert row[5].text == "div. (1/3)" and row[-1].text == "2/3"
+    assert row[7].text == "div. (1/3)" and row[-1].text == "2/3"
 
 
 def test_load_wandb_uses_the_api_and_cli_option(monkeypatch, capsys):

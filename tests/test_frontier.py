@@ -86,7 +86,7 @@ def test_report_marks_the_front_and_says_where_a_composition_is_on_it(tmp_path):
     assert "- bpd_KV 1: best H2O (100.00 @ 1), ahead of SnapKV∘KIVI by 5.00 (one seed" in text
     # KIVI's 70 @ 2.1 is off its target: drawn and on the front, but not ranked at 2
     assert "- bpd_KV 2: best H2O (80.00 @ 2), ahead of SnapKV∘KIVI by 10.00" in text
-    assert "(not ranked, off target †: KIVI)." in text
+    assert "(not ranked, over target †: KIVI)." in text
 
 
 @pytest.mark.parametrize("h2o_ppl,verdict", [
