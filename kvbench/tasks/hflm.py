@@ -114,13 +114,14 @@ class CompressedHFLM(HFLM):
         logits = torch.nn.functional.log_softmax(
             self.clm.logits(ids, scored=[len(c) for _, c in rows], lengths=lengths), dim=-1,
             dtype=self.softmax_dtype)
-        out = []
+        sums, greedy = [], []
         for i, (_, cont) in enumerate(rows):
             lg = logits[i, lengths[i] - len(cont) : lengths[i]]
             target = torch.tensor(cont, dtype=torch.long, device=lg.device)
-            greedy = bool((lg.argmax(dim=-1) == target).all())
-            out.append((float(lg.gather(1, target[:, None]).sum()), greedy))
-        return out
+            greedy.append((lg.argmax(dim=-1) == target).all())
+            sums.append(lg.gather(1, target[:, None]).sum())
+        # one host read for the batch
+        return list(zip(torch.stack(sums).tolist(), torch.stack(greedy).tolist()))
 
     def _score_prefill(self, rows) -> list[tuple[float, bool]]:
         """Methods without a single-pass form: each context prefilled exactly and compressed, the
