@@ -37,14 +37,15 @@ code opengear-project/GEAR (``GEARLM/Simulated/compress_function.py``). Specific
   ``stored_bits`` from the stored tensors (packed codes, fp16 scales/minima, outlier values and
   indices, fp16 factors, fp16 buffer).
 
-Grid reached (``budget="measured"``, Q-all over 2048 positions, K-track, rank >= 1):
+Grid reached (``budget="measured"``, Q-all over 2048 positions, K-track, rank >= 1; the most
+preferred admissible point, which a job's knob search may replace by another admissible one):
 
 | bpd_K | d = 64 (SmolLM2-135M, H_kv = 3)   | d = 128 (Llama-3.1-8B, H_kv = 8)    |
 |-------|------------------------------------|-------------------------------------|
 | 0.5   | no (reachable 3.17-12.2)           | no (reachable 3.06-11.7)            |
 | 1     | no                                 | no                                  |
 | 2     | no                                 | no                                  |
-| 3     | no (no grid point in 2.94-3.06)    | 3.06 at b=1, G=64, n_b=64, r=1      |
+| 3     | no (the cheapest point is 3.17)    | 3.06 at b=1, G=64, n_b=64, r=1      |
 | 4     | 3.98 at b=1, G=32, n_b=96, r=1     | 3.97 at b=2, G=64, n_b=64, r=1      |
 
 The fp16 buffer is what keeps low targets out of reach in Q-all: a query at t reads t mod n_b + 1
@@ -64,11 +65,13 @@ Decisions where docs/methods.md is silent:
   ``"nominal"``: the per-block figure of §15.7 (the end of a complete block, no buffer share). Grid:
   b in 1..8, G in {32, 64, 128} (value groups divide H_kv d), n_b a multiple of the key G up to 256,
   s in {0, 1 %, 2 %} (deduplicated by the outlier count it gives), r in 1..4 (L is GEAR's error
-  reduction; r = 0 would be KIVI with R = n_b). One n_b for both sides (one buffer). Among the points
-  within **2 %** of the target (each side at its own), the most backbone bits, then the smallest
-  groups (finer groups, KIVI's rule), then the largest rank, then the most outliers, then the
-  closest; keys decide first, values second. None in the band -> :class:`Unsupported` naming the
-  reachable range and the nearest points. ``joint_kv=True`` (the KV-track rows): the pair whose
+  reduction; r = 0 would be KIVI with R = n_b). One n_b for both sides (one buffer). A point is
+  **admissible** when it is at most 1.02 x the target (docs/methods.md §0.1; each side at its own;
+  under is allowed). In a job the held-out knob search chooses among them (``"knobs"``,
+  :meth:`Gear.knob_candidates`, kvbench/fit/knob_search.py); without one, the most backbone bits,
+  then the smallest groups (finer groups, KIVI's rule), then the largest rank, then the most
+  outliers, then the closest; keys decide first, values second. None admissible ->
+  :class:`Unsupported` naming the reachable range and the cheapest point. ``joint_kv=True`` (the KV-track rows): the pair whose
   *mean* is within 2 % of bpd_KV, the most balanced first (:mod:`methods.joint_budget`).
 * Explicit knobs override the fit: with any of ``bits, group, sparsity, rank, block`` (or their
   ``v_`` forms) given, the job runs them, the others at the run templates' GEAR setting (§15.6:

@@ -34,13 +34,14 @@ Decisions where docs/methods.md is silent:
   rows): the pair whose *mean* is within the band of bpd_KV instead, the most balanced first
   (:mod:`methods.joint_budget`). The predicted figure is the
   exact bit count (:func:`headline_bpd`, the §2.3 storage rule with codes + fp16 scale and minimum
-  per group + 16 bits per full-precision element, what ``stored_bits`` measures). Among the grid
-  points within **2 % of the target on either side** (the tables' "at target" band; each side at
-  its own target in the KV-track) the fit takes the most key bits, then the most value bits, then
-  the largest R, then the smallest groups (finer groups, the paper's G = 32), then the closest. No
-  point in the band -> :class:`Unsupported` naming the reachable range in that regime and the
-  nearest grid points (the grid is sparse: in Q-all at T = 2048 keys reach 2.67-10.0, but e.g. 3.0
-  falls between 2.71 and 3.17). ``"nominal"``: the asymptotic mapping, the largest
+  per group + 16 bits per full-precision element, what ``stored_bits`` measures). A grid point is
+  **admissible** when it is at most 1.02 x the target (docs/methods.md §0.1; each side at its own
+  target in the KV-track; under is allowed). In a job the held-out knob search chooses among them
+  (``searches()`` names ``"knobs"``; :meth:`Kivi.knob_candidates`, kvbench/fit/knob_search.py) and
+  hands its choice back through ``use_knobs``; without one the fit takes the most key bits, then
+  the most value bits, then the largest R, then the smallest groups (finer groups, the paper's
+  G = 32), then the closest. Nothing admissible -> :class:`Unsupported` naming the reachable range
+  in that regime and the cheapest grid point (in Q-all at T = 2048 keys reach 2.67-10.0). ``"nominal"``: the asymptotic mapping, the largest
   b + 32/G <= target over b in {1,2,3,4,8}, G in {32,64,128} (2.0 -> (1,32), 2.25 -> (2,128),
   3.0 -> (2,32), 4.0 -> (3,32)), R = 128; below its floor (1.25 at b=1, G=128) ->
   :class:`Unsupported`. ``knobs()`` says which (``budget``, ``fitted``, ``not_fitted``) and the
