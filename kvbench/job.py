@@ -28,6 +28,7 @@ from .config import Budget, JobConfig, budget, job_regime, redundant_seed
 from .context import JobContext, no_progress
 from .fit.budget_share import choose_budget_share
 from .fit.cobra_plus_select import select_for_job
+from .fit.knob_search import choose_for_job as choose_knobs_for_job
 from .fit.kv_split import choose_kv_split
 from .fit.layer_sensitivity import measure_for
 from .fit.measured_keep import refit_kept
@@ -119,7 +120,8 @@ def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_
     """Statistics, then every free parameter in the order each depends on the previous: the K/V
     split (``v_bpd=auto``), then the searches the method declares (``KVMethod.searches()``), each
     at its step: the method's switches (``"select"``, when the job gives a ``select`` search), the
-    budget share (``"budget_share"``), the configuration at the budget, the layer sensitivity
+    budget share (``"budget_share"``), the knobs among the admissible configurations (``"knobs"``),
+    the configuration at the budget, the layer sensitivity
     (``"layer_sensitivity"``), the method's own calibration, the kept fraction refitted to the
     measured figure (``"measured_keep"``). Returns the method, configured and calibrated."""
     timings = result["timings"]
@@ -140,6 +142,8 @@ def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_
         result["keep_fraction"] = choice
         method = build_method(job.method, **{**job.options, "split": choice["split"]})
         method.set_regime(ctx.regime)
+    if "knobs" in method.searches() and bpd_k is not None:
+        choose_knobs_for_job(ctx, job.method, job.options, method, bpd_k, bpd_v, result)
     method.configure(ctx.shape, bpd_k, bpd_v)
     if ctx.stats is not None and "layer_sensitivity" in method.searches():
         measure_for(ctx, method, result, timings)

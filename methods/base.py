@@ -212,7 +212,9 @@ class KVMethod:
         * before ``configure``: ``"select"`` (the method's defaults can be chosen by the job's
           ``select`` search, kvbench/fit/cobra_plus_select.py; run only when the job gives one),
           ``"budget_share"`` (the share of the budget given to a part, compose's ``split``,
-          kvbench/fit/budget_share.py);
+          kvbench/fit/budget_share.py), ``"knobs"`` (the configuration among the admissible ones
+          at the budget, ``knob_candidates``, chosen by held-out perplexity and handed back through
+          ``use_knobs``, kvbench/fit/knob_search.py; docs/methods.md §0.1);
         * after ``configure``: ``"layer_sensitivity"`` (a per-layer measurement handed back
           through the method's ``sensitivity_*`` methods, kvbench/fit/layer_sensitivity.py);
         * after ``calibrate``: ``"measured_keep"`` (the kept fraction refitted to the measured
@@ -220,6 +222,24 @@ class KVMethod:
 
         Data, so the harness never probes a method for capabilities; most methods want nothing."""
         return ()
+
+    def knob_candidates(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None,
+                        limit: int | None = None) -> list[dict]:
+        """The configurations admissible at the targets in the method's regime (docs/methods.md
+        §0.1: predicted bpd at most 1.02 x each target), each a dict ``use_knobs`` takes, at most
+        ``limit`` of them in the method's stated order (the paper setting first when admissible);
+        ``[]`` when the method fits nothing here. Asked after ``set_regime``, for a method that
+        declares ``"knobs"`` in ``searches()``."""
+        return []
+
+    def use_knobs(self, knobs: dict | None) -> None:
+        """Make the next ``configure`` take ``knobs`` (one of ``knob_candidates``) instead of the
+        method's own preference among the admissible configurations; None: its preference."""
+        self._chosen_knobs = None if knobs is None else dict(knobs)
+
+    @property
+    def chosen_knobs(self) -> dict | None:
+        return getattr(self, "_chosen_knobs", None)
 
     def calibration_sample_tokens(self) -> int:
         """Calibration tokens per head of the key/value sample ``calibrate`` needs

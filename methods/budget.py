@@ -5,22 +5,24 @@ method says that a target is out of reach (docs/methods.md §0, §0.1, §8).
 * **At the target** (:func:`in_band`): a predicted (or measured) bpd x is at target t when
   |x - t| <= :data:`AT_TARGET` t, plus a slack ``eps`` for rounding (the tables' mark, 2 %).
   :func:`under_ceiling`: x <= (1 + :data:`AT_TARGET`) t, the admissible side of the band
-  (docs/methods.md §0.1). ``band`` and ``eps`` are parameters: each method passes its own slack,
-  written at its call.
+  (docs/methods.md §0.1): a configuration under its target is admissible. ``band`` and ``eps``
+  are parameters: each method passes its own slack, written at its call.
+* **Knob candidates** (:func:`spread`): which admissible configurations the held-out knob search
+  scores (``KVMethod.knob_candidates``, kvbench/fit/knob_search.py), in one stated order.
 * **Scored reads** (:func:`scored_reads`): at every position the regime scores, the tokens held
   and how many of them are stored compressed, for a cache whose newest tokens wait in full
   precision (KIVI's residual R, GEAR's n_b buffer; §2.3).
 * **Nominal map** (:func:`grid_choice`): the largest b + 32/G at or below the target over
   :data:`BITS_GRID` x :data:`GROUP_GRID` (KIVI's kernels; SVDq's values use the same map).
 * **Messages**: :func:`describe` (the regime in words) and the parts of an ``Unsupported``
-  message: :func:`unreachable`, :func:`side_unreachable`, :func:`off_band`, :func:`reach`,
-  :func:`no_joint_pair`.
+  message: :func:`unreachable`, :func:`side_unreachable`, :func:`off_band`, :func:`over_ceiling`,
+  :func:`reach`, :func:`no_joint_pair`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -37,6 +39,8 @@ GROUP_GRID = (32, 64, 128)
 DEFAULT_BITS = 2
 DEFAULT_GROUP = 32
 
+P = TypeVar("P")
+
 
 def in_band(x: float, target: float, band: float = AT_TARGET, eps: float = EPS) -> bool:
     """Whether ``x`` lies within ``band`` (relative) of ``target``, ``eps`` of absolute slack."""
@@ -46,6 +50,27 @@ def in_band(x: float, target: float, band: float = AT_TARGET, eps: float = EPS) 
 def under_ceiling(x: float, target: float, band: float = AT_TARGET, eps: float = EPS) -> bool:
     """Whether ``x`` is at most ``band`` (relative) above ``target``, ``eps`` of absolute slack."""
     return x <= target + band * target + eps
+
+
+def spread(points: Sequence[P], family: Callable[[P], Hashable], limit: int | None = None,
+           first: P | None = None) -> list[P]:
+    """The knob search's candidates from admissible ``points`` listed in the method's preference
+    order (best first): ``first`` (the paper setting, when the caller found it admissible) leads,
+    then one
+    point of each family in turn, families ordered by ``family(p)`` descending (the most bits
+    first), each family's points in the order given, until ``limit`` (None: all of them).
+    Deterministic: the same points give the same list."""
+    families: dict = {}
+    for p in points:
+        if first is None or p != first:
+            families.setdefault(family(p), []).append(p)
+    queues = [families[f] for f in sorted(families, reverse=True)]
+    out = [] if first is None else [first]
+    depth = 0
+    while any(depth < len(q) for q in queues):
+        out += [q[depth] for q in queues if depth < len(q)]
+        depth += 1
+    return out if limit is None else out[:limit]
 
 
 def describe(regime: Regime) -> str:
@@ -136,6 +161,14 @@ def off_band(points: Sequence[tuple], target: float, fmt: Callable[[tuple], str]
     above = min((p for p in points if p[0] > target), default=None, key=key)
     near = ", ".join(fmt(p) for p in (below, above) if p)
     return f"no grid point within {AT_TARGET:.0%}; nearest {near}"
+
+
+def over_ceiling(points: Sequence[tuple], target: float, fmt: Callable[[tuple], str],
+                 key: Callable[[tuple], object] | None = None) -> str:
+    """No grid point at or under the ceiling (:func:`under_ceiling`): the cheapest point (bpd
+    first), written by ``fmt``; ``key`` orders points of equal bpd (default: the whole tuple)."""
+    cheapest = min(points, key=key) if key is not None else min(points)
+    return f"no grid point at or under {1 + AT_TARGET:g} x the target; the cheapest {fmt(cheapest)}"
 
 
 def unreachable(method: str, where: str, parts: Iterable[str], tail: str = "") -> str:

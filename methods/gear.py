@@ -37,14 +37,15 @@ code opengear-project/GEAR (``GEARLM/Simulated/compress_function.py``). Specific
   ``stored_bits`` from the stored tensors (packed codes, fp16 scales/minima, outlier values and
   indices, fp16 factors, fp16 buffer).
 
-Grid reached (``budget="measured"``, Q-all over 2048 positions, K-track, rank >= 1):
+Grid reached (``budget="measured"``, Q-all over 2048 positions, K-track, rank >= 1; the most
+preferred admissible point, which a job's knob search may replace by another admissible one):
 
 | bpd_K | d = 64 (SmolLM2-135M, H_kv = 3)   | d = 128 (Llama-3.1-8B, H_kv = 8)    |
 |-------|------------------------------------|-------------------------------------|
 | 0.5   | no (reachable 3.17-12.2)           | no (reachable 3.06-11.7)            |
 | 1     | no                                 | no                                  |
 | 2     | no                                 | no                                  |
-| 3     | no (no grid point in 2.94-3.06)    | 3.06 at b=1, G=64, n_b=64, r=1      |
+| 3     | no (the cheapest point is 3.17)    | 3.06 at b=1, G=64, n_b=64, r=1      |
 | 4     | 3.98 at b=1, G=32, n_b=96, r=1     | 3.97 at b=2, G=64, n_b=64, r=1      |
 
 The fp16 buffer is what keeps low targets out of reach in Q-all: a query at t reads t mod n_b + 1
@@ -64,11 +65,13 @@ Decisions where docs/methods.md is silent:
   ``"nominal"``: the per-block figure of §15.7 (the end of a complete block, no buffer share). Grid:
   b in 1..8, G in {32, 64, 128} (value groups divide H_kv d), n_b a multiple of the key G up to 256,
   s in {0, 1 %, 2 %} (deduplicated by the outlier count it gives), r in 1..4 (L is GEAR's error
-  reduction; r = 0 would be KIVI with R = n_b). One n_b for both sides (one buffer). Among the points
-  within **2 %** of the target (each side at its own), the most backbone bits, then the smallest
-  groups (finer groups, KIVI's rule), then the largest rank, then the most outliers, then the
-  closest; keys decide first, values second. None in the band -> :class:`Unsupported` naming the
-  reachable range and the nearest points. ``joint_kv=True`` (the KV-track rows): the pair whose
+  reduction; r = 0 would be KIVI with R = n_b). One n_b for both sides (one buffer). A point is
+  **admissible** when it is at most 1.02 x the target (docs/methods.md §0.1; each side at its own;
+  under is allowed). In a job the held-out knob search chooses among them (``"knobs"``,
+  :meth:`Gear.knob_candidates`, kvbench/fit/knob_search.py); without one, the most backbone bits,
+  then the smallest groups (finer groups, KIVI's rule), then the largest rank, then the most
+  outliers, then the closest; keys decide first, values second. None admissible ->
+  :class:`Unsupported` naming the reachable range and the cheapest point. ``joint_kv=True`` (the KV-track rows): the pair whose
   *mean* is within 2 % of bpd_KV, the most balanced first (:mod:`methods.joint_budget`).
 * Explicit knobs override the fit: with any of ``bits, group, sparsity, rank, block`` (or their
   ``v_`` forms) given, the job runs them, the others at the run templates' GEAR setting (§15.6:
@@ -109,8 +112,8 @@ from .attention import causal_attention, work_dtype
 from .base import KVMethod, LayerState, Regime, Unsupported, held_bits, query_positions
 from .blocked_attention import blocked_attention
 from .bookkeeping import host_ops
-from .budget import (AT_TARGET, describe, in_band, no_joint_pair, off_band, scored_reads, side_unreachable,
-                     unreachable)
+from .budget import (AT_TARGET, describe, no_joint_pair, over_ceiling, scored_reads, side_unreachable, spread,
+                     under_ceiling, unreachable)
 from .buffers import Growing, row_elements
 from .groupquant import fp16_scale_min
 from .joint_budget import best_pair
@@ -454,29 +457,81 @@ def block_grid() -> tuple[int, ...]:
     return tuple(range(g, MAX_BLOCK + 1, g))
 
 
-def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regime: Regime, opts: dict,
-              budget: str = "measured", prompt_rank: int | None = None) -> dict:
-    """The grid point (per side, one n_b) whose predicted bpd is within :data:`AT_TARGET` of each
-    target, by the preference of the module docstring; :class:`Unsupported` when none is."""
-    best = None
+def _best_per_family(points: list) -> list:
+    """Of one side's points at one n_b, the most preferred of each (b, r), in preference order."""
+    best: dict = {}
+    for x in points:
+        fam = (x[2]["bits"], x[2]["rank"])
+        if fam not in best or x[1] > best[fam][1]:
+            best[fam] = x
+    return sorted(best.values(), key=lambda x: x[1], reverse=True)
+
+
+def admissible_fits(target_k: float, target_v: float | None, heads: int, d: int, regime: Regime, opts: dict,
+                    budget: str = "measured", prompt_rank: int | None = None) -> list[dict]:
+    """The admissible grid points (predicted bpd under the ceiling of each target,
+    :func:`methods.budget.under_ceiling`, docs/methods.md §0.1), one n_b for both sides, in the
+    preference of the module docstring (keys first, values second). With a value target, at each
+    n_b the pairs of each side's most preferred point of each (b, r) (every pair would be up to
+    288 x 288 per n_b)."""
+    ranked = []
     for nb in block_grid():
         keys = [x for x in _side_points("k", target_k, heads, d, nb, regime, opts, budget, prompt_rank)
-                if in_band(x[0], target_k)]
-        vals = [None] if target_v is None else [
-            x for x in _side_points("v", target_v, heads, d, nb, regime, opts, budget, prompt_rank)
-            if in_band(x[0], target_v)]
-        if not keys or not vals:
-            continue
-        k = max(keys, key=lambda x: x[1])
-        v = vals[0] if target_v is None else max(vals, key=lambda x: x[1])
-        pref = (k[1], () if v is None else v[1])
-        if best is None or pref > best[0]:
-            best = (pref, nb, k, v)
-    if best is None:
-        raise Unsupported(why_unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank))
-    _, nb, k, v = best
+                if under_ceiling(x[0], target_k)]
+        keys = keys if target_v is None else _best_per_family(keys)
+        vals = [None] if target_v is None else _best_per_family(
+            [x for x in _side_points("v", target_v, heads, d, nb, regime, opts, budget, prompt_rank)
+             if under_ceiling(x[0], target_v)])
+        ranked += [((k[1], () if v is None else v[1]), _fit(nb, k, v)) for k in keys for v in vals]
+    ranked.sort(key=lambda x: x[0], reverse=True)
+    return [fit for _, fit in ranked]
+
+
+def _fit(nb: int, k, v) -> dict:
     return {"block": nb, "k": k[2], "v": None if v is None else v[2], "predicted_bpd_k": k[0],
             "predicted_bpd_v": None if v is None else v[0]}
+
+
+def knob_options(fit: dict) -> dict:
+    """The knobs of a fit (what ``Gear.use_knobs`` takes): n_b and each side's b, G, s, r."""
+    return {"block": fit["block"], "k": fit["k"], "v": fit["v"]}
+
+
+def chosen_fit(choice: dict, target_k: float, target_v: float | None, heads: int, d: int, regime: Regime,
+               opts: dict, budget: str = "measured", prompt_rank: int | None = None) -> dict:
+    """The fit of the knobs ``choice`` ({"block", "k", "v"}); :class:`Unsupported` unless both
+    sides code a block and are under their ceilings."""
+    nb = int(choice["block"])
+    out = {"block": nb, "k": choice["k"], "v": choice["v"] if target_v is not None else None}
+    for side, target in (("k", target_k), ("v", target_v)):
+        if target is None:
+            out["predicted_bpd_v"] = None
+            continue
+        knobs = out[side]
+        try:
+            codec = SideCodec(side, int(knobs["bits"]), int(knobs["group"]), float(knobs["sparsity"]),
+                              int(knobs["rank"]), **opts)
+            codec.check(nb, heads, d)
+        except (ValueError, TypeError, KeyError) as err:
+            raise Unsupported(f"gear: knobs {choice} do not code a block: {err}") from err
+        pred = _predict(codec, nb, heads, d, regime, budget, prompt_rank)
+        if not under_ceiling(pred, target):
+            raise Unsupported(f"gear: knobs {choice} are not admissible: {side} predicts {pred:.3f} over "
+                              f"{1 + AT_TARGET:g} x {target:g} in {describe(regime)}")
+        out[f"predicted_bpd_{side}"] = pred
+    return out
+
+
+def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regime: Regime, opts: dict,
+              budget: str = "measured", prompt_rank: int | None = None, choice: dict | None = None) -> dict:
+    """The knobs ``choice`` when given and admissible (:func:`chosen_fit`), else the most preferred
+    admissible grid point (:func:`admissible_fits`); :class:`Unsupported` when none is."""
+    if choice is not None:
+        return chosen_fit(choice, target_k, target_v, heads, d, regime, opts, budget, prompt_rank)
+    fits = admissible_fits(target_k, target_v, heads, d, regime, opts, budget, prompt_rank)
+    if not fits:
+        raise Unsupported(why_unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank))
+    return fits[0]
 
 
 def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, budget: str = "measured",
@@ -509,10 +564,10 @@ def why_unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_r
             continue
         pts = [(x[0], nb, x[2]) for nb in block_grid()
                for x in _side_points(side, target, heads, d, nb, regime, opts, budget, prompt_rank)]
-        inside = any(in_band(p[0], target) for p in pts)
-        why = ("within the band only at an n_b where the other side has no point" if inside
-               else off_band(pts, target, lambda p: f"{p[0]:.3f} at (b={p[2]['bits']}, G={p[2]['group']}, "
-                             f"s={p[2]['sparsity']}, r={p[2]['rank']}, n_b={p[1]})", key=lambda x: x[0]))
+        inside = any(under_ceiling(p[0], target) for p in pts)
+        why = ("under the ceiling only at an n_b where the other side has no admissible point" if inside
+               else over_ceiling(pts, target, lambda p: f"{p[0]:.3f} at (b={p[2]['bits']}, G={p[2]['group']}, "
+                                 f"s={p[2]['sparsity']}, r={p[2]['rank']}, n_b={p[1]})", key=lambda x: x[0]))
         parts.append(side_unreachable(name, target, [p[0] for p in pts], f", {why}"))
     grid = (f"b in 1..8, G in {list(GROUP_GRID)}, n_b a multiple of G up to {MAX_BLOCK}, s in "
             f"{list(SPARSITY_GRID)}, r in {list(RANK_GRID)}")
@@ -774,13 +829,15 @@ class Gear(KVMethod):
                             prompt_rank)
         elif bpd_k is not None and not explicit:
             fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), h, d, self.regime,
-                            self._opts(), self.budget, prompt_rank)
+                            self._opts(), self.budget, prompt_rank, self.chosen_knobs)
         if bpd_k is not None and not explicit:
             block, kk, vk = fit["block"], fit["k"], fit["v"]
             self._fit = {"regime": dataclasses.asdict(self.regime), "band": AT_TARGET, "budget": self.budget,
                          "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
             if joint:
                 self._fit["joint_kv"] = (float(bpd_k) + float(bpd_v)) / 2
+            else:
+                self._fit["chosen_by"] = "held-out knob search" if self.chosen_knobs else "preference"
         else:
             block = self.block or PAPER["block"]
             kk = self._given("")
@@ -791,6 +848,35 @@ class Gear(KVMethod):
                                 "at the measured bpd")
         self._resolved = (int(block), self._side("k", kk), self._side("v", vk))
         self._check()
+
+    def searches(self) -> tuple[str, ...]:
+        """``"knobs"``: the fit's admissible points are chosen among on held-out text."""
+        return () if self._explicit() else ("knobs",)
+
+    def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
+        """The admissible points of the fit in the job's regime (side by side; none for
+        ``joint_kv`` with both targets), :func:`admissible_fits`: the §15.6 setting first when
+        admissible, then one point per (b, r) of the keys (and of the values in the KV-track) in
+        turn, the most bits and the largest rank first, each family's points in preference order
+        (:func:`methods.budget.spread`)."""
+        if bpd_k is None or self._explicit() or (self.joint_kv and bpd_v is not None):
+            return []
+        h, d = shape.n_kv_heads, shape.head_dim
+        tv = None if bpd_v is None else float(bpd_v)
+        prompt_rank = self._prompt_rank() if self.prompt == "one_block" else None
+        fits = admissible_fits(float(bpd_k), tv, h, d, self.regime, self._opts(), self.budget, prompt_rank)
+        side = {k: PAPER[k] for k in SIDE_KNOBS}
+        paper = {"block": PAPER["block"], "k": side, "v": None if tv is None else dict(side)}
+        try:
+            chosen_fit(paper, float(bpd_k), tv, h, d, self.regime, self._opts(), self.budget, prompt_rank)
+        except Unsupported:
+            paper = None
+
+        def family(o):
+            v = o["v"] or {"bits": 0, "rank": 0}
+            return o["k"]["bits"], o["k"]["rank"], v["bits"], v["rank"]
+
+        return spread([knob_options(f) for f in fits], family, limit, first=paper)
 
     def _prompt_rank(self) -> int:
         return self.prompt_rank if self.prompt_rank is not None else PAPER_PROMPT_RANK

@@ -34,13 +34,14 @@ Decisions where docs/methods.md is silent:
   rows): the pair whose *mean* is within the band of bpd_KV instead, the most balanced first
   (:mod:`methods.joint_budget`). The predicted figure is the
   exact bit count (:func:`headline_bpd`, the §2.3 storage rule with codes + fp16 scale and minimum
-  per group + 16 bits per full-precision element, what ``stored_bits`` measures). Among the grid
-  points within **2 % of the target on either side** (the tables' "at target" band; each side at
-  its own target in the KV-track) the fit takes the most key bits, then the most value bits, then
-  the largest R, then the smallest groups (finer groups, the paper's G = 32), then the closest. No
-  point in the band -> :class:`Unsupported` naming the reachable range in that regime and the
-  nearest grid points (the grid is sparse: in Q-all at T = 2048 keys reach 2.67-10.0, but e.g. 3.0
-  falls between 2.71 and 3.17). ``"nominal"``: the asymptotic mapping, the largest
+  per group + 16 bits per full-precision element, what ``stored_bits`` measures). A grid point is
+  **admissible** when it is at most 1.02 x the target (docs/methods.md §0.1; each side at its own
+  target in the KV-track; under is allowed). In a job the held-out knob search chooses among them
+  (``searches()`` names ``"knobs"``; :meth:`Kivi.knob_candidates`, kvbench/fit/knob_search.py) and
+  hands its choice back through ``use_knobs``; without one the fit takes the most key bits, then
+  the most value bits, then the largest R, then the smallest groups (finer groups, the paper's
+  G = 32), then the closest. Nothing admissible -> :class:`Unsupported` naming the reachable range
+  in that regime and the cheapest grid point (in Q-all at T = 2048 keys reach 2.67-10.0). ``"nominal"``: the asymptotic mapping, the largest
   b + 32/G <= target over b in {1,2,3,4,8}, G in {32,64,128} (2.0 -> (1,32), 2.25 -> (2,128),
   3.0 -> (2,32), 4.0 -> (3,32)), R = 128; below its floor (1.25 at b=1, G=128) ->
   :class:`Unsupported`. ``knobs()`` says which (``budget``, ``fitted``, ``not_fitted``) and the
@@ -74,8 +75,8 @@ from .attention import causal_attention
 from .base import KVMethod, LayerState, Regime, Unsupported, query_positions
 from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attention
 from .bookkeeping import host_ops, one_read
-from .budget import (AT_TARGET, DEFAULT_BITS, DEFAULT_GROUP, GROUP_GRID, describe, grid_choice, in_band,
-                     no_joint_pair, off_band, reach, scored_reads, side_unreachable, unreachable)
+from .budget import (AT_TARGET, DEFAULT_BITS, DEFAULT_GROUP, GROUP_GRID, describe, grid_choice, no_joint_pair,
+                     over_ceiling, reach, scored_reads, side_unreachable, spread, under_ceiling, unreachable)
 from .buffers import Growing, SideStore, row_elements
 from .groupquant import quantize_dequantize_groups
 from .joint_budget import best_pair
@@ -275,28 +276,54 @@ def fit_joint(target_k: float, target_v: float, head_dim: int, regime: Regime) -
             "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
 
 
-def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> dict:
-    """budget='measured': the grid point whose measured bpd (:func:`headline_bpd`) lies within
-    :data:`AT_TARGET` of the key target and, with a value target, of the value target too, one
-    R shared by both sides as in KIVI. Preference among those: :func:`_prefer`, then the closest to
-    the targets. :class:`Unsupported` with the reachable ranges when no point is in the band."""
-    best = None
+def admissible_fits(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> list[dict]:
+    """Every grid point, one R shared by both sides as in KIVI, whose measured bpd
+    (:func:`headline_bpd`) is under the ceiling of the key target and, with a value target, of the
+    value target too (:func:`methods.budget.under_ceiling`, docs/methods.md §0.1), in the order of
+    :func:`_prefer`, then the closest to the targets."""
+    ranked = []
     for r in residual_grid():
-        keys = [x for x in side_points("k", regime, head_dim, r) if in_band(x[0], target_k)]
+        keys = [x for x in side_points("k", regime, head_dim, r) if under_ceiling(x[0], target_k)]
         vals = [None] if target_v is None else [
-            x for x in side_points("v", regime, head_dim, r) if in_band(x[0], target_v)]
+            x for x in side_points("v", regime, head_dim, r) if under_ceiling(x[0], target_v)]
         for k in keys:
             for v in vals:
                 miss = abs(k[0] - target_k) / target_k + (0.0 if v is None else abs(v[0] - target_v) / target_v)
-                pref = (*_prefer(k, v, r), -miss)
-                if best is None or pref > best[0]:
-                    best = (pref, k, v, r)
-    if best is None:
+                ranked.append(((*_prefer(k, v, r), -miss), {
+                    "bits": k[1], "group": k[2], "residual": r, "v_bits": None if v is None else v[1],
+                    "v_group": None if v is None else v[2], "predicted_bpd_k": k[0],
+                    "predicted_bpd_v": None if v is None else v[0]}))
+    ranked.sort(key=lambda x: x[0], reverse=True)
+    return [fit for _, fit in ranked]
+
+
+def knob_options(fit: dict) -> dict:
+    """The options of a fit (what ``Kivi.use_knobs`` takes), without its predictions."""
+    return {k: fit[k] for k in KNOB_OPTIONS}
+
+
+def paper_knobs(with_values: bool) -> dict:
+    """The paper's setting (docs/methods.md §2.2): b = 2, G = 32, R = 128, values alike."""
+    return {"bits": DEFAULT_BITS, "group": DEFAULT_GROUP, "residual": DEFAULT_RESIDUAL,
+            "v_bits": DEFAULT_BITS if with_values else None, "v_group": DEFAULT_GROUP if with_values else None}
+
+
+def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Regime,
+              choice: dict | None = None) -> dict:
+    """budget='measured': among :func:`admissible_fits`, the one with the knobs ``choice`` (the
+    held-out knob search's), or without a choice the first (the most preferred).
+    :class:`Unsupported` with the reachable ranges when no point is admissible, or when ``choice``
+    is not one of them."""
+    fits = admissible_fits(target_k, target_v, head_dim, regime)
+    if not fits:
         raise Unsupported(why_unreachable(target_k, target_v, head_dim, regime))
-    _, k, v, r = best
-    return {"bits": k[1], "group": k[2], "residual": r, "v_bits": None if v is None else v[1],
-            "v_group": None if v is None else v[2], "predicted_bpd_k": k[0],
-            "predicted_bpd_v": None if v is None else v[0]}
+    if choice is None:
+        return fits[0]
+    for fit in fits:
+        if knob_options(fit) == {k: choice.get(k) for k in KNOB_OPTIONS}:
+            return fit
+    raise Unsupported(f"kivi: knobs {choice} are not admissible at bpd={target_k:g}"
+                      f"{'' if target_v is None else f', v_bpd={target_v:g}'} in {describe(regime)}")
 
 
 def why_unreachable(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> str:
@@ -312,9 +339,9 @@ def why_unreachable(target_k: float, target_v: float | None, head_dim: int, regi
         if not pts:
             parts.append(f"{name}: no value group in {list(GROUP_GRID)} fits head_dim={head_dim}")
             continue
-        shared = sorted({p[3] for p in pts if in_band(p[0], target)})
-        why = (f"within {AT_TARGET:.0%} only at R in {shared}, where the other side has no point in the band"
-               if shared else off_band(pts, target, lambda p: f"{p[0]:.3f} at (b={p[1]}, G={p[2]}, R={p[3]})"))
+        shared = sorted({p[3] for p in pts if under_ceiling(p[0], target)})
+        why = (f"under the ceiling only at R in {shared}, where the other side has no admissible point"
+               if shared else over_ceiling(pts, target, lambda p: f"{p[0]:.3f} at (b={p[1]}, G={p[2]}, R={p[3]})"))
         parts.append(side_unreachable(name, target, [p[0] for p in pts], f", {why}"))
     return unreachable("kivi", f"in {describe(regime)} (measured bpd, fp16 residual window and metadata "
                        f"included; grid {grid})", parts,
@@ -360,10 +387,13 @@ class Kivi(KVMethod):
             if self.joint_kv and bpd_v is not None:
                 fit = fit_joint(float(bpd_k), float(bpd_v), d, self.regime)
             else:
-                fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), d, self.regime)
-            self._resolved = tuple(fit[k] for k in ("bits", "group", "residual", "v_bits", "v_group"))
+                fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), d, self.regime,
+                                self.chosen_knobs)
+            self._resolved = tuple(fit[k] for k in KNOB_OPTIONS)
             self._fit = {"regime": dataclasses.asdict(self.regime), "band": AT_TARGET,
                          "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
+            if not (self.joint_kv and bpd_v is not None):
+                self._fit["chosen_by"] = "held-out knob search" if self.chosen_knobs else "preference"
             if self.joint_kv and bpd_v is not None:
                 self._fit["joint_kv"] = (float(bpd_k) + float(bpd_v)) / 2
             self._not_fitted = None
@@ -377,6 +407,23 @@ class Kivi(KVMethod):
             )
         self._predicted = self._predict(self.regime)
         self._check()
+
+    def searches(self) -> tuple[str, ...]:
+        """``"knobs"``: the measured fit's admissible points are chosen among on held-out text."""
+        return ("knobs",) if self.budget == "measured" and not self._explicit() else ()
+
+    def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
+        """The admissible grid points of the measured fit in the job's regime (side by side; none
+        for ``joint_kv`` with both targets): the paper's setting first when admissible, then one
+        point per key bit width (key and value widths in the KV-track) in turn, the most bits
+        first, each width's points in :func:`_prefer` order (:func:`methods.budget.spread`)."""
+        if bpd_k is None or "knobs" not in self.searches() or (self.joint_kv and bpd_v is not None):
+            return []
+        fits = admissible_fits(float(bpd_k), None if bpd_v is None else float(bpd_v), shape.head_dim,
+                               self.regime)
+        options, paper = [knob_options(f) for f in fits], paper_knobs(bpd_v is not None)
+        return spread(options, lambda o: (o["bits"], o["v_bits"] or 0), limit,
+                      first=paper if paper in options else None)
 
     def _nominal_knobs(self, d, bpd_k, bpd_v) -> tuple:
         """The asymptotic mapping (largest b + 32/G <= target over {1,2,3,4,8} x {32,64,128}),

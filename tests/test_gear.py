@@ -534,3 +534,35 @@ def test_in_a_model_one_pass_equals_decoding_and_prefill_chunk_equals_steps(mode
     assert (in_pass - ref).abs().max() > 1e-3
     assert bpd_in_pass == pytest.approx(bpd_stepped)
     assert (chunk - steps).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("bpd,v_bpd,regime", [(4.0, None, Regime("qall", 2048)), (6.0, None, Regime("qall", 2048)),
+                                              (8.0, 8.0, Regime("qall", 2048)),
+                                              (3.0, None, Regime("prefill", 1536, 511))], ids=str)
+def test_knob_candidates_are_admissible_and_lead_with_the_paper_setting(bpd, v_bpd, regime):
+    """docs/methods.md §0.1: every candidate, run as chosen (``use_knobs``), predicts at most 1.02 x
+    each target, as its explicit knobs measure; at most 27; the §15.6 setting first when admissible."""
+    m = build_method("gear")
+    m.set_regime(regime)
+    every = m.knob_candidates(SMOLLM2, bpd, v_bpd)
+    cands = m.knob_candidates(SMOLLM2, bpd, v_bpd, 27)
+    assert cands == every[:27] and 0 < len(cands) <= 27
+    side = {"bits": 2, "group": 64, "sparsity": 0.02, "rank": 2}
+    explicit = build_method("gear", **side, block=64, **({} if v_bpd is None else {f"v_{k}": x for k, x in side.items()}))
+    explicit.set_regime(regime)
+    explicit.configure(SMOLLM2, bpd, v_bpd)
+    pred = explicit.knobs()["predicted"]
+    paper_ok = pred["bpd_k"] <= 1.02 * bpd and (v_bpd is None or pred["bpd_v"] <= 1.02 * v_bpd)
+    assert (cands[0] == {"block": 64, "k": side, "v": None if v_bpd is None else side}) == paper_ok
+    for knobs in cands:
+        m.use_knobs(knobs)
+        m.configure(SMOLLM2, bpd, v_bpd)
+        kn = m.knobs()
+        assert kn["block"] == knobs["block"] and kn["fit"]["chosen_by"] == "held-out knob search"
+        assert {k: kn["k"][k] for k in side} == knobs["k"]
+        assert kn["predicted"]["bpd_k"] <= 1.02 * bpd
+        assert v_bpd is None or kn["predicted"]["bpd_v"] <= 1.02 * v_bpd
+    m.use_knobs({"block": 64, "k": {"bits": 8, "group": 32, "sparsity": 0.0, "rank": 4}, "v": None})
+    with pytest.raises(Unsupported, match="not admissible"):
+        m.configure(SMOLLM2, bpd, v_bpd)
+    assert build_method("gear", bits=2).knob_candidates(SMOLLM2, bpd, v_bpd) == []

@@ -248,3 +248,30 @@ def test_auto_split_of_an_uncalibrated_method_is_unsupported(tmp_path, tiny_chec
         r = _job(tmp_path / method, tiny_checkpoint, f"method={method}", "bpd=2", "v_bpd=auto", "limit=1")
         assert r["status"] == "unsupported", r["error"]
         assert r["error"] == f"v_bpd=auto chooses a split by calibration PPL; {method} is not calibrated"
+
+
+@pytest.mark.parametrize("dataset", ["ptb", "wiki_proxy"])
+def test_the_knob_search_scores_on_the_heldout_windows(tokenizer, dataset, monkeypatch):
+    """kvbench/fit/knob_search.py scores every candidate on exactly the held-out selection windows
+    checked above (calibration text, apart from the calibration windows, no evaluation text)."""
+    from types import SimpleNamespace
+
+    from kvbench.fit import knob_search as KS
+    from methods import Regime, build_method
+    from methods.base import ModelShape
+
+    seen = []
+    monkeypatch.setattr(KS, "heldout_ppl", lambda ctx, method, windows: seen.append(windows) or 1.0)
+    spec = CalibrationSpec(dataset=dataset, split="train", n_windows=16, seqlen=1024, seed=3)
+    ctx = SimpleNamespace(tokenizer=tokenizer, spec=spec, shape=ModelShape(30, 9, 3, 64), stats=None, seed=0,
+                          regime=Regime("qall", 2048))
+    method = build_method("kivi")
+    method.set_regime(ctx.regime)
+    cands = KS.candidates(ctx, method, 4.0, None)
+    out = KS.search(ctx, "kivi", {}, 4.0, None, cands)
+    assert len(seen) == len(cands) and out["heldout_windows"] == [heldout.N_HELDOUT, 1024]
+    want = heldout.heldout(tokenizer, spec)
+    assert all(torch.equal(w, want) for w in seen)
+    ids = calibration_ids(tokenizer, spec)
+    cal = calibration_starts(ids.numel(), spec)
+    assert not any(_overlap(h, c, 1024) for h in heldout.heldout_starts(ids.numel(), spec) for c in cal)

@@ -1,7 +1,7 @@
 """Held-out (selection) windows, docs/methods.md §1.2 "Separation".
 
 Every free parameter the harness chooses (the K/V split, compose's budget share, cobra_plus's
-switches) is chosen on windows of the calibration spec's own split (a calibration corpus's train
+switches, a method's knobs) is chosen on windows of the calibration spec's own split (a calibration corpus's train
 split, checked when the spec is made) that overlap no calibration window: offsets drawn with
 ``seed + 7919`` and rejected when they overlap a calibration window or one another. Never an
 evaluation set. ``n`` windows of the calibration length; the first k are the same for every n >= k,

@@ -10,6 +10,7 @@ wins, ties broken by each search's stated rule. The outcome, every candidate inc
 recorded in the result.
 
 Users: :mod:`.kv_split` (``v_bpd=auto``), :mod:`.budget_share` (compose's ``split``),
+:mod:`.knob_search` (a method's knobs among its admissible configurations),
 :mod:`.cobra_plus_select` (per candidate, since its coordinate descent revisits points).
 """
 
