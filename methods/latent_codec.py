@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerStats, Unsupported
-from .codec_state import Codec, ExactCodec, head_matmul, join_calls
+from .codec_state import Codec, ExactCodec, head_matmul
 from .gaussquant import (
     calibrated_multipliers, dequantize, optimal_step, pack_codes, prepare_layout, quantize, rows_per_byte_boundary,
     unpack_calls, unpack_codes,
@@ -270,12 +270,18 @@ class LatentKeyCodec(Codec):
             codes = [unpack_calls(parts["data"], self.slot_widths, shape[0] * shape[2], dtype=offset.dtype)
                      for (shape, _, _), _, parts, _ in runs]
         codes = [(c.view(c.shape[0], h, -1) + offset[:, 0]) * dstep[:, 0] for c in codes]
-        decoded, at = [], 0
+        b, d = runs[0][0][0][0], dec.shape[-1]
+        out = torch.empty(b, h, sum(calls * shape[2] for (shape, _, _), calls, _, _ in runs), d,
+                          dtype=codes[0].dtype, device=data.device)
+        rows = pos = 0
         for i, (((b, _, t, _), _, _), calls, _, _) in enumerate(runs):
-            c = codes[0][at : at + whole[i]] if len(codes) == 1 else codes[i]
-            decoded.append(head_matmul(c.view(calls, b, t, h, -1).transpose(2, 3), dec))
-            at += whole[i]
-        return mu[None, :, None, :] + join_calls(decoded)
+            c = codes[0][rows : rows + whole[i]] if len(codes) == 1 else codes[i]
+            y = head_matmul(c.view(calls, b, t, h, -1).transpose(2, 3), dec)  # [S, B, H, t, d]
+            # + the mean, written in place: the runs laid end to end without a copy of the layer
+            torch.add(mu[None, :, None, None, :], y.permute(1, 2, 0, 3, 4),
+                      out=out[:, :, pos : pos + calls * t].view(b, h, calls, t, d))
+            rows, pos = rows + whole[i], pos + calls * t
+        return out
 
     def decode_calls(self, layout, calls, parts, ragged):
         """The calls' codes unpacked together, then :meth:`_reconstruct`'s arithmetic with one
