@@ -321,26 +321,45 @@ def pack_codes(codes: torch.Tensor, widths) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def unpack_codes(packed: torch.Tensor, widths, m: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: int64 codes [m, n] (each read from the <= 2 bytes it spans)."""
+def unpack_codes(packed: torch.Tensor, widths, m: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: codes [m, n] (each read from the <= 2 bytes it spans), int64
+    or ``dtype`` (a float dtype when the codes only feed arithmetic)."""
     n = len(widths) if isinstance(widths, tuple) else widths.numel()
     g, row_bits, row_bytes, byte, shift, mask, same, shifts = _layout(widths, packed.device)
     if m == 0 or row_bits == 0:
-        return torch.zeros(m, n, dtype=torch.int64, device=packed.device)
+        return torch.zeros(m, n, dtype=dtype, device=packed.device)
     if same:
         k = 8 // same
         codes = packed if k == 1 else ((packed[:, None] >> shifts) & ((1 << same) - 1)).reshape(-1)
-        return codes[: m * n].reshape(m, n).to(torch.int64)
+        return codes[: m * n].reshape(m, n).to(dtype)
     sup = -(-m // g)
     data = packed[: sup * row_bytes]
     if data.numel() < sup * row_bytes:  # the last super-row is partial
         data = torch.nn.functional.pad(data, (0, sup * row_bytes - data.numel()))
     data = torch.nn.functional.pad(data.reshape(sup, row_bytes), (0, 1))
-    out = torch.empty(sup, g * n, dtype=torch.int64, device=packed.device)
+    out = torch.empty(sup, g * n, dtype=dtype, device=packed.device)
     step = _block_rows(g, row_bits)
     for start in range(0, sup, step):
         d = data[start : start + step].to(torch.int32)
-        lo_idx = byte.expand(d.shape[0], -1)  # gather: index_select along dim 1 is slow for ints
-        word = torch.gather(d, 1, lo_idx) | (torch.gather(d, 1, lo_idx + 1) << 8)
+        pairs = d[:, :-1] | (d[:, 1:] << 8)  # the 16-bit word at every byte of the row
+        word = torch.gather(pairs, 1, byte.expand(d.shape[0], -1))  # gather: index_select is slow for ints
         out[start : start + step] = (word >> shift) & mask
     return out.reshape(-1, n)[:m]
+
+
+def rows_per_byte_boundary(widths: tuple[int, ...]) -> int:
+    """g: the fewest rows of ``widths`` that end on a byte boundary (8 / gcd(sum b, 8))."""
+    return _layout_for(_key(widths), "cpu")[0]
+
+
+def unpack_calls(data: torch.Tensor, widths: tuple[int, ...], rows: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Codes [S * rows, n] of S stored calls ``data`` [S, bytes], each the :func:`pack_codes` stream
+    of ``rows`` rows: each call padded to whole super-rows (rows that end on a byte boundary),
+    then one stream (no padding when the rows fill whole bytes)."""
+    calls, n = data.shape[0], len(widths)
+    g, _, row_bytes, *_ = _layout(widths, data.device)
+    sup = -(-rows // g)
+    if data.shape[1] < sup * row_bytes:
+        data = torch.nn.functional.pad(data, (0, sup * row_bytes - data.shape[1]))
+    codes = unpack_codes(data.reshape(-1), widths, calls * sup * g, dtype)
+    return codes if sup * g == rows else codes.reshape(calls, sup * g, n)[:, :rows].reshape(calls * rows, n)

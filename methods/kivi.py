@@ -56,12 +56,12 @@ Decisions where docs/methods.md is silent:
   (one target per side; KIVI's code shares one group size, so pass ``v_group=group`` to mimic it).
 * Full-precision tokens are kept in the model's dtype (fp16/bf16 on a GPU; a float32 CPU model keeps
   float32, like :class:`methods.codec_state.ExactCodec`) and counted 16 bits per element.
-* The decoded quantized keys/values are kept as a working copy for attention (a fused kernel would
-  dequantize on the fly); only the packed codes, fp16 scales/minima and the residual count. The
-  copy and the full-precision tail share one growing buffer per side, in the model's dtype: a
-  single decode step reads exactly the prefixes quantized before it (§2.3), so it is one fused
-  SDPA call over the buffers as they are, with no float32 copy of the cache and no mask;
-  the groups it completes are quantized after it.
+* The state holds what is counted (docs/design.md §2): the packed codes and fp16 scales/minima,
+  grown along their token axis (:class:`methods.buffers.SideStore`), and the full-precision tail.
+  Attention dequantizes the groups into a transient copy in the model's dtype, as a fused kernel
+  would on the fly: a single decode step reads exactly the prefixes quantized before it (§2.3), so
+  it is one fused SDPA call over the decoded groups followed by the tail, with no float32 copy of
+  the cache and no mask; the groups it completes are quantized after it.
 """
 
 from __future__ import annotations
@@ -87,11 +87,13 @@ DEFAULT_RESIDUAL = 128  # R of the paper's LongBench runs (docs/methods.md §2.2
 def _advance(store: SideStore, x_new, n_quant_new, quantize):
     """Append ``x_new`` and quantize up to position ``n_quant_new``. Returns the positions
     [n_quant_old, N) in both versions, (x_hat, x_exact), for the attention mix."""
-    start = store.n_quant
     exact = store.exact_tail(x_new)
     store.append(x_new)
-    store.flush(n_quant_new, quantize)
-    return store.buf.data[:, :, start:], exact
+    hat = store.flush(n_quant_new, quantize)
+    if hat is None:
+        return exact, exact
+    m = hat.shape[2]
+    return (hat if m == exact.shape[2] else torch.cat([hat, exact[:, :, m:]], dim=2)), exact
 
 
 @dataclass
@@ -122,7 +124,8 @@ class KiviLayerState(LayerState):
         qk, qv = self._quantizers(v)
         if t == 1:
             return self._step(q, k, v, scaling, qk, qv)
-        kp, vp = self.k.hat, self.v.hat  # read quantized by every new query
+        kp = self.k.decoded()  # read quantized by every new query
+        vp = None if self.v_bits is None else self.v.decoded()
         k_hat_t, k_ex_t = _advance(self.k, k, r * (n // r), qk)
         if self.v_bits is None:
             self.v_exact.append(v)
@@ -159,33 +162,44 @@ class KiviLayerState(LayerState):
             raise ValueError("prefill must be the first call on a layer state")
         n, r = k.shape[2], self.residual
         qk, qv = self._quantizers(v)
-        _advance(self.k, k, r * (n // r), qk)
+        self.k.append(k)
+        self.k.flush(r * (n // r), qk)
         if self.v_bits is None:
             self.v_exact.append(v)
         else:
-            _advance(self.v, v, max(0, n - r), qv)
+            self.v.append(v)
+            self.v.flush(max(0, n - r), qv)
         self._seen = n
         self._reads = None
 
     def _step(self, q, k, v, scaling, qk, qv):
         """One decode token. The query at position n0 reads key s quantized iff s < R floor(n0/R)
         and value s iff s < n0 - R (§2.3): exactly the prefixes quantized before this step. So it
-        reads the buffers as they are once its token is appended, with one fused SDPA call in the
-        model's dtype (no mask, no float32 copy of the cache); the groups this token completes are
-        quantized afterwards."""
+        reads the cache as it is stored once its token is appended (the packed groups decoded, then
+        the full-precision tail), with one fused SDPA call in the model's dtype (no mask); the
+        groups this token completes are quantized afterwards."""
         n0 = self._seen
         n = n0 + 1
         r = self.residual
         self.k.append(k)
-        values = self.v_exact if self.v_bits is None else self.v.buf
-        values.append(v)
-        out = causal_attention(q, self.k.buf.data, values.data, scaling)
+        if self.v_bits is None:
+            self.v_exact.append(v)
+            values = self.v_exact.data
+        else:
+            self.v.append(v)
+            values = self.v.read()
+        out = causal_attention(q, self.k.read(), values, scaling)
         self.k.flush(r * (n // r), qk)
         if self.v_bits is not None:
             self.v.flush(max(0, n - r), qv)
         self._seen = n
         self._reads = self._read_bits(n0, 1, k)
         return out
+
+    def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [B, H, n, d] as a single query at the next position reads them (the packed
+        groups decoded, then the full-precision tails), in the model's dtype."""
+        return self.k.read(), (self.v_exact.data if self.v_bits is None else self.v.read())
 
     def _read_bits(self, n0, t, k):
         """§2.3 per query position p: keys 0..R*floor(p/R)-1 quantized, values 0..p-R-1."""

@@ -94,9 +94,9 @@ Decisions where docs/methods.md is silent:
   fp16 activations of the official simulator), indices int16 (n <= 32767), pointers int32; a value
   token stores its fp16 maximum and minimum (after the median replacement), 32 bits carrying the
   same information as the offset and half-range, which are computed from them in float32 as in the
-  code (App. G: never rounded). Keys read RoPE'd working copies (float32, float64 for float64
-  inputs); the official's final fp16 cast of the projection output is a property of its fp16
-  models, not of the cache, and is not applied.
+  code (App. G: never rounded). Keys are dequantized (float32, float64 for float64 inputs) and
+  rotated when attention reads them; the official's final fp16 cast of the projection output is a
+  property of its fp16 models, not of the cache, and is not applied.
 * A constant channel (u = l) or token (max = min) decodes to its offset (the code divides by zero
   there and ``nan_to_num`` gives the same).
 * Q-Norm (``--norm``) and ``--cap_outliers`` are not implemented (off by default in §14.3).
@@ -423,6 +423,45 @@ class _NuqCodec(Codec):
     def bits(self, packed):
         return packed.bits()
 
+    def parts(self, packed):
+        parts = {"codes": packed.codes, "meta": packed.meta, "pointer": packed.pointer}
+        return (packed.shape, packed.dtype), parts, {"values": packed.values, "index": packed.index}
+
+    def decode_stored(self, store):
+        """Elementwise: without a sparse part and at batch 1 (rows in position order), every
+        stored row in one pass; else run by run (:meth:`decode_calls`)."""
+        runs = store.runs()
+        if any(shape[0] != 1 or "pointer" in parts for (shape, _), _, parts, _ in runs):
+            return super().decode_stored(store)
+        (_, h, _, d), dt = runs[0][0]
+        rows = sum(calls * shape[2] for (shape, _), calls, _, _ in runs)
+        codes = store.flat("codes")
+        lut = self._on("lut", self.lut, codes.device, dt)
+        meta = store.flat("meta").view(rows, 2) if "meta" in runs[0][2] else None
+        offset, half = self._meta_scale(meta, dt, codes.device)
+        dec = lut[unpack_bits(codes.view(rows, -1), self.nbits, h * d)] * half + offset
+        return dec.view(1, rows, h, d).transpose(1, 2)
+
+    def decode_calls(self, layout, calls, parts, ragged):
+        """:meth:`decode` of ``calls`` stored calls at once: elementwise, the outliers of every
+        call scattered in one pass (each call's pointer restarts at its first row)."""
+        shape, dt = layout
+        b, h, t, d = shape
+        n, rows = h * d, b * t
+        codes = parts["codes"]
+        lut = self._on("lut", self.lut, codes.device, dt)
+        meta = parts.get("meta")
+        offset, half = self._meta_scale(None if meta is None else meta.reshape(calls * rows, 2), dt, codes.device)
+        dec = lut[unpack_bits(codes.reshape(calls * rows, -1), self.nbits, n)] * half + offset
+        if "pointer" in parts:
+            ends = parts["pointer"].long()
+            counts = torch.diff(ends, dim=1, prepend=ends.new_zeros(calls, 1)).reshape(-1)
+            values = ragged["values"]
+            row = torch.repeat_interleave(torch.arange(calls * rows, device=ends.device), counts,
+                                          output_size=values.numel())
+            dec.reshape(-1)[row * n + ragged["index"].long()] = values.to(dt)
+        return dec.reshape(calls, b, t, h, d).permute(0, 1, 3, 2, 4)
+
 
 class KeyCodec(_NuqCodec):
     """§14.3 keys of one layer, static per channel: ``upper``, ``lower`` [n] fp16 thresholds, ``lut``
@@ -498,24 +537,18 @@ class KVQuantLayerState(CodecLayerState):
     the bits differ from token to token, so query i of a chunk reads the bits of the tokens up to
     its own (:attr:`KVQuantPacked.token_bits`), not the chunk's average."""
 
-    def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
-        prior, start = self._bits, len(self._k_packed)
-        out = super().attend(q, k, v, scaling=scaling, prefill=prefill, k_pre=k_pre, rope=rope)
-        if not prefill:
-            self._reads = (held_per_token(prior[0], self._k_packed[start:]),
-                           held_per_token(prior[1], self._v_packed[start:]))
-        return out
+    def _call_reads(self, prior_k, prior_v, entries_k, entries_v):
+        return held_per_token(prior_k, entries_k), held_per_token(prior_v, entries_v)
 
 
 def held_per_token(prior: float, entries: list) -> torch.Tensor:
     """Bits held after each new token, float64 CPU: ``prior`` plus the cumulative per-token bits of
-    the (codec, packed) entries of one call (exact tokens cost the same each)."""
+    the (codec, packed, tokens) entries of one call (exact tokens cost the same each)."""
     with host_ops():
         parts = []
-        for codec, packed in entries:
+        for codec, packed, n in entries:
             per = getattr(packed, "token_bits", None)
             if per is None:
-                n = packed.data.shape[2]
                 per = torch.full((n,), codec.bits(packed) / n, dtype=torch.float64)
             parts.append(per)
         held = parts[0] if len(parts) == 1 else torch.cat(parts)  # a decode step: one part, no cat

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerStats, Unsupported
-from .codec_state import Codec, ExactCodec
+from .codec_state import Codec, ExactCodec, head_matmul
 from .gaussquant import (
-    calibrated_multipliers, dequantize, optimal_step, pack_codes, prepare_layout, quantize, unpack_codes,
+    calibrated_multipliers, dequantize, optimal_step, pack_codes, prepare_layout, quantize, rows_per_byte_boundary,
+    unpack_calls, unpack_codes,
 )
-from .groupquant import dequantize_groups, quantize_groups
+from .groupquant import GroupPacked, dequantize_groups, quantize_groups
 from .hadamard import haar_orthogonal, hadamard, random_signs
 
 
@@ -245,6 +246,64 @@ class LatentKeyCodec(Codec):
     def bits(self, packed):
         return packed.data.numel() * (32 if packed.raw else 8)
 
+    def parts(self, packed):
+        return (packed.shape, packed.dtype, packed.raw), {"data": packed.data}, {}
+
+    def decode_stored(self, store):
+        """Every stored call: its codes unpacked and dequantized (all calls in one pass when each
+        call's stream ends on a whole row group, the usual case: a token's bits fill whole bytes;
+        else one pass per run), then one product per run and head
+        (:func:`methods.codec_state.head_matmul`) and the mean."""
+        runs = store.runs()
+        if any(raw for (_, _, raw), *_ in runs):
+            return super().decode_stored(store)
+        dtype = runs[0][0][1]
+        data = store.flat("data")
+        p = self._params(data.device, dtype)
+        mu, dec, offset, dstep = p[0], p[2], p[8], p[9]
+        h = offset.shape[0]
+        g = rows_per_byte_boundary(self.slot_widths)
+        whole = [calls * shape[0] * shape[2] for (shape, _, _), calls, _, _ in runs]
+        if all((shape[0] * shape[2]) % g == 0 for (shape, _, _), *_ in runs):
+            codes = [unpack_codes(data, self.slot_widths, sum(whole), dtype=offset.dtype)]
+        else:
+            codes = [unpack_calls(parts["data"], self.slot_widths, shape[0] * shape[2], dtype=offset.dtype)
+                     for (shape, _, _), _, parts, _ in runs]
+        codes = [(c.view(c.shape[0], h, -1) + offset[:, 0]) * dstep[:, 0] for c in codes]
+        b, d = runs[0][0][0][0], dec.shape[-1]
+        out = torch.empty(b, h, sum(calls * shape[2] for (shape, _, _), calls, _, _ in runs), d,
+                          dtype=codes[0].dtype, device=data.device)
+        rows = pos = 0
+        for i, (((b, _, t, _), _, _), calls, _, _) in enumerate(runs):
+            c = codes[0][rows : rows + whole[i]] if len(codes) == 1 else codes[i]
+            y = head_matmul(c.view(calls, b, t, h, -1).transpose(2, 3), dec)  # [S, B, H, t, d]
+            # + the mean, written in place: the runs laid end to end without a copy of the layer
+            torch.add(mu[None, :, None, None, :], y.permute(1, 2, 0, 3, 4),
+                      out=out[:, :, pos : pos + calls * t].view(b, h, calls, t, d))
+            rows, pos = rows + whole[i], pos + calls * t
+        return out
+
+    def decode_calls(self, layout, calls, parts, ragged):
+        """The calls' codes unpacked together, then :meth:`_reconstruct`'s arithmetic with one
+        product per call and head (:func:`methods.codec_state.head_matmul`)."""
+        shape, dtype, raw = layout
+        data = parts["data"]
+        if calls == 1:
+            return self.decode(PackedCodes(data[0], shape, dtype, raw))[None]
+        b, h, t, d = shape
+        p = self._params(data.device, dtype)
+        mu, dec, offset, dstep = p[0], p[2], p[8], p[9]
+        if raw:  # float latents of the active slots, [calls, B T, active]
+            c = data.reshape(calls * b * t, -1)
+            if self.padded:
+                full = torch.zeros(c.shape[0], self.slots, dtype=dtype, device=data.device)
+                c = full.scatter_(1, p[3].expand(c.shape[0], -1), c)
+            c = c.reshape(calls, b, t, h, -1).transpose(2, 3)
+        else:
+            codes = unpack_calls(data, self.slot_widths, b * t).reshape(calls, b, t, h, -1).transpose(2, 3)
+            c = (codes.to(offset.dtype) + offset) * dstep
+        return mu[None, None, :, None, :] + head_matmul(c, dec)
+
 
 class RotatedValueCodec(Codec):
     """§5.8: v' = rot_h (v - mu_h) with rot_h = H_d D_s / sqrt(d); b bits, step step_h per head."""
@@ -299,6 +358,22 @@ class RotatedValueCodec(Codec):
     def bits(self, packed):
         return packed.data.numel() * 8
 
+    def parts(self, packed):
+        return (packed.shape, packed.dtype), {"data": packed.data}, {}
+
+    def decode_calls(self, layout, calls, parts, ragged):
+        """The calls' codes unpacked together, then :meth:`_reconstruct` with one product per call
+        and head (:func:`methods.codec_state.head_matmul`)."""
+        shape, dtype = layout
+        data = parts["data"]
+        if calls == 1:
+            return self.decode(PackedCodes(data[0], shape, dtype))[None]
+        b, h, t, d = shape
+        rot, step, mu = self._params(data.device, dtype)
+        codes = unpack_calls(data, self._widths(d), b * h * t).reshape(calls, b, h, t, d)
+        y = dequantize(codes, step[None, None, :, None, None], self.nbits)
+        return mu[None, None, :, None, :] + head_matmul(y, rot)
+
 
 class KiviValueCodec(Codec):
     """KIVI's per-token value quantizer without a residual window (every token on arrival)."""
@@ -314,6 +389,19 @@ class KiviValueCodec(Codec):
 
     def bits(self, packed):
         return packed.bits()
+
+    def parts(self, packed):
+        layout = (packed.nbits, packed.group, packed.axis, packed.shape, packed.dtype)
+        return layout, {"codes": packed.codes, "scale": packed.scale, "minimum": packed.minimum}, {}
+
+    def decode_calls(self, layout, calls, parts, ragged):
+        """Elementwise: the calls stacked into the batch axis and dequantized at once."""
+        nbits, group, axis, shape, dtype = layout
+        b, h, t, d = shape
+        merged = {k: v.reshape(calls * b, *v.shape[2:]) for k, v in parts.items()}
+        gp = GroupPacked(merged["codes"], merged["scale"], merged["minimum"], nbits, group, axis,
+                         (calls * b, h, t, d), dtype)
+        return dequantize_groups(gp).reshape(calls, b, h, t, d)
 
 
 def orthogonal_mixer(d: int, seed: int) -> tuple[torch.Tensor, str]:

@@ -64,13 +64,13 @@ from functools import lru_cache
 
 import torch
 
-from .attention import causal_attention, work_dtype
+from .attention import causal_attention
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
 from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attention
-from .bookkeeping import host_ops, one_read
+from .bookkeeping import decode_ops, host_ops, one_read
 from .budget import AT_TARGET, describe, grid_choice, under_ceiling
-from .buffers import Growing, SideStore, row_elements
-from .groupquant import GroupPacked, fp16_scale_min, quantize_dequantize_groups
+from .buffers import CallStore, Growing, RopeLog, SideStore, log_rope, row_elements
+from .groupquant import GroupPacked, dequantize_groups, fp16_scale_min, quantize_dequantize_groups
 from .packing import pack_bits
 
 N_GROUPS = 8
@@ -210,6 +210,21 @@ def _svd_basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return mu, evals.flip(-1), evecs.flip(-1)
 
 
+def _flush_products(c_hat: torch.Tensor, basis_t: torch.Tensor) -> torch.Tensor:
+    """``c_hat @ basis_t`` of S stacked flushes c_hat [S, B, H, m, n] with basis_t [H, n, d] (or
+    [B or 1, H, n, d]: a prefill basis) -> [S, B, H, m, d], each (flush, batch, head) product the one
+    :meth:`SVDqLayerState._encode` computed (m rows): one batched product per head, the head's
+    basis broadcast over the flushes (not copied S times)."""
+    s, b, h, m, n = c_hat.shape
+    d = basis_t.shape[-1]
+    basis_t = basis_t.reshape(-1, h, n, d)
+    out = torch.empty(s, b, h, m, d, dtype=c_hat.dtype, device=c_hat.device)
+    for j in range(h):  # heads, not tokens
+        w = basis_t[:, j].contiguous().expand(s, b, n, d).reshape(s * b, n, d)
+        out[:, :, j] = torch.bmm(c_hat[:, :, j].reshape(s * b, m, n), w).view(s, b, m, d)
+    return out
+
+
 @dataclass
 class _Prefix:
     """A view of the quantized key prefix, for tests and diagnostics (``.data``, ``.n``)."""
@@ -233,24 +248,27 @@ class SVDqLayerState(LayerState):
     #: the calibration basis on each device it was used on, shared by the layer's states
     #: (``SVDq.new_layer_state``): moved from the CPU once, not once per state
     on_device: dict | None = None
-    packed: list = field(default_factory=list)
-    #: what a single query at the next position reads, post-RoPE: the decoded quantized keys
-    #: (positions < n_quant), then the fp16 buffer's exact keys (one contiguous buffer)
-    keys: Growing = field(default_factory=Growing)
+    #: the packed latent groups of positions < n_quant, one call per flush (the packs of one flush:
+    #: one per run of equal widths along the schedule)
+    packed: CallStore = field(default_factory=CallStore)
     n_quant: int = 0
-    #: the fp16 buffer's pre-RoPE keys and their (cos, sin), in arrival chunks, until a group
-    #: completes (one decode step appends a view: no copy)
-    pending: list = field(default_factory=list)
+    #: the fp16 buffer, positions n_quant..n: the pre-RoPE keys (what is stored and counted, to be
+    #: quantized once their group completes) and the exact post-RoPE keys attention reads
+    pending: Growing = field(default_factory=lambda: Growing(min_spare=4))
+    exact: Growing = field(default_factory=lambda: Growing(min_spare=4))
     v: SideStore = field(default_factory=SideStore)
     v_exact: Growing = field(default_factory=Growing)
     basis_bits: int = 0
+    _rope: RopeLog | None = None  # the sequence's (cos, sin): decoded keys are rotated with them
+    _dtype: torch.dtype | None = None  # the model's dtype and device: what attention reads
+    _device: torch.device | None = None
     _seen: int = 0
     _packed_bits: int = 0
 
     @property
     def k_hat(self) -> "_Prefix":
-        """The decoded quantized keys [B, H, n_quant, d] (``.data``, a view; ``.n``)."""
-        return _Prefix(self.keys.data[:, :, : self.n_quant] if self.n_quant else None)
+        """The decoded quantized keys [B, H, n_quant, d] (``.data``; ``.n``)."""
+        return _Prefix(self._decode_prefix())
 
     def _params(self, device):
         """(mu, basis) on ``device``: the calibration basis is copied from the CPU once per
@@ -265,21 +283,61 @@ class SVDqLayerState(LayerState):
         return self.mu, self.basis
 
     def _set_prefill_basis(self, k_pre):
+        """The per-sequence basis, kept in fp16 as counted (its arithmetic reads it widened)."""
         mu, _, vecs = _svd_basis(k_pre)
         idx = torch.tensor(active_channels(self.schedule, k_pre.shape[-1]), device=k_pre.device)
         mu16, basis16 = mu.half(), vecs[..., idx].half()
         self.basis_bits = 16 * (mu16.numel() + basis16.numel())
-        self.mu, self.basis = mu16.float()[:, :, None, :], basis16.float()
+        self.mu, self.basis = mu16[:, :, None, :], basis16
+
+    def _work_params(self):
+        dt = torch.float64 if self._dtype == torch.float64 else torch.float32  # work_dtype of the keys
+        mu, basis = self._params(self._device)  # calibration statistics live on the CPU
+        return dt, mu.to(dt), basis.to(dt)
 
     def _encode(self, k_pre, cos, sin):
-        """Quantize complete token groups of pre-RoPE keys; return packed and k_hat post-RoPE."""
-        mu, basis = self._params(k_pre.device)  # calibration statistics live on the CPU
-        dt = work_dtype(k_pre)  # float32, or float64 for float64 inputs (exactness tests)
-        mu, basis = mu.to(dt), basis.to(dt)
+        """Quantize complete token groups of pre-RoPE keys; return the packs and k_hat post-RoPE."""
+        if self._dtype is None:
+            self._dtype, self._device = k_pre.dtype, k_pre.device
+        dt, mu, basis = self._work_params()
         c = (k_pre.to(dt) - mu) @ basis  # [B, H, m, n_act]
         packs, c_hat = quantize_latents(c, self.schedule, k_pre.shape[-1] // N_GROUPS, self.group)
         k_hat_pre = mu + c_hat @ basis.transpose(-1, -2)
         return packs, apply_rope(k_hat_pre, Rope(cos, sin)).to(k_pre.dtype)
+
+    def _decode_prefix(self) -> torch.Tensor | None:
+        """The quantized keys [B, H, n_quant, d] decoded from the stored packs, post-RoPE, in the
+        model's dtype: each run of equal flushes in one pass (one product per flush, batch and
+        head, as :meth:`_encode` computed it), then the rotation of their positions."""
+        if not self.n_quant:
+            return None
+        dt, mu, basis = self._work_params()
+        parts = []
+        for (m, metas), calls, stacked, _ in self.packed.runs():
+            c_hat = []
+            for i, (nbits, shape, dtype) in enumerate(metas):
+                merged = [stacked[f"{i}.{k}"].reshape(calls * shape[0], *stacked[f"{i}.{k}"].shape[2:])
+                          for k in ("codes", "scale", "minimum")]
+                gp = GroupPacked(*merged, nbits, self.group, 2, (calls * shape[0], *shape[1:]), dtype)
+                c_hat.append(dequantize_groups(gp))
+            c_hat = c_hat[0].contiguous() if len(c_hat) == 1 else torch.cat(c_hat, dim=-1)
+            b, h = metas[0][1][:2]
+            if calls == 1:  # _encode's own product
+                parts.append(mu + c_hat @ basis.transpose(-1, -2))
+                continue
+            k_hat = mu + _flush_products(c_hat.view(calls, b, h, m, -1), basis.transpose(-1, -2))
+            parts.append(k_hat.permute(1, 2, 0, 3, 4).reshape(b, h, calls * m, -1))
+        k_hat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return apply_rope(k_hat, self._rope.rope(0, self.n_quant)).to(self._dtype)
+
+    def _keys(self) -> torch.Tensor:
+        """What a single query at the next position reads, post-RoPE: the decoded quantized keys,
+        then the fp16 buffer's exact keys."""
+        with decode_ops():
+            hat = self._decode_prefix()
+            if hat is None:
+                return self.exact.data
+            return hat if not self.exact.n else torch.cat([hat, self.exact.data], dim=2)
 
     def attend(self, q, k, v, *, scaling, prefill, k_pre=None, rope=None):
         if k_pre is None or rope is None:
@@ -298,27 +356,30 @@ class SVDqLayerState(LayerState):
                     "prefill=True (in Q-all the basis would see future keys); use basis='calib'"
                 )
             self._set_prefill_basis(k_pre)
+        self._dtype, self._device = k_pre.dtype, k_pre.device
+        self._rope = log_rope(self._rope, n0, rope)
         g, t = self.group, k.shape[2]
         pk = self.n_quant  # read quantized by every new query
         m = g * (n // g) - pk  # tokens whose group completes now
         single = t == 1 and not prefill
-        exact = None
-        if not single:  # the positions pk.. at full precision (before the group is replaced)
-            exact = k if self.keys.n == pk else torch.cat([self.keys.data[:, :, pk:], k], dim=2)
-        self.keys.append(k)
-        self.pending.append((k_pre, rope.cos, rope.sin))
+        kp = exact = None
+        if not single and not prefill:
+            with decode_ops():
+                kp = self._decode_prefix()
+            # the positions pk.. at full precision (before the group is replaced)
+            exact = k if not self.exact.n else torch.cat([self.exact.data, k], dim=2)
+        self.exact.append(k)
+        self.pending.append(k_pre)
         if self.v_bits is None:
             self.v_exact.append(v)
-            v_all = self.v_exact.data
         else:  # quantized on arrival, no residual window
             vg = self.v_group or min(32, v.shape[-1])
             self.v.append_quantized(v, lambda x: quantize_dequantize_groups(x, self.v_bits, vg, axis=3))
-            v_all = self.v.buf.data
+        v_all = self.v_exact.data if self.v_bits is None else None
         out = None
-        if single:  # the query at n0 reads keys < G_t floor(n0/G_t) = pk quantized: the buffer as is
-            out = causal_attention(q, self.keys.data, v_all, scaling)
-        if m > 0:
-            self._flush(m)
+        if single:  # the query at n0 reads keys < G_t floor(n0/G_t) = pk quantized: the cache as stored
+            out = causal_attention(q, self._keys(), v_all if v_all is not None else self.v.read(), scaling)
+        new_hat = self._flush(m) if m > 0 else None
         self._seen = n
         if not prefill and t > 1:
             with host_ops():
@@ -329,8 +390,10 @@ class SVDqLayerState(LayerState):
             return out
         if prefill:
             return causal_attention(q, k, v, scaling)
-        kp = self.keys.data[:, :, :pk] if pk else None
-        hat_tail = self.keys.data[:, :, pk:]
+        if v_all is None:
+            v_all = self.v.read()
+        hat_tail = exact if new_hat is None else (
+            new_hat if new_hat.shape[2] == exact.shape[2] else torch.cat([new_hat, exact[:, :, m:]], dim=2))
         if t >= SDPA_MIN_QUERIES:
             return blocked_attention(q, kp, exact, hat_tail, g, None, v_all, None, None, scaling)
         tpos = torch.arange(n0, n, device=q.device)[:, None]
@@ -339,23 +402,24 @@ class SVDqLayerState(LayerState):
         )
         return mixed_attention(q, kp, exact, hat_tail, key_mask, None, v_all, None, None, scaling)
 
-    def _flush(self, m: int) -> None:
-        """Quantize the first m pending keys (complete groups) and replace their exact copies in
-        ``keys`` by the decoded form; the remaining pending keys are copied (a slice would keep
-        the whole chunk alive)."""
-        chunks = self.pending
-        pre, cos, sin = (
-            chunks[0] if len(chunks) == 1 else
-            (torch.cat([c[0] for c in chunks], dim=2), torch.cat([c[1] for c in chunks], dim=1),
-             torch.cat([c[2] for c in chunks], dim=1))
-        )
-        packs, new_hat = self._encode(pre[:, :, :m], cos[:, :m], sin[:, :m])
-        self.packed.extend(packs)
+    def _flush(self, m: int) -> torch.Tensor:
+        """Quantize the first m buffered keys (complete groups), store their packs and drop them
+        from the fp16 buffer; returns their decoded post-RoPE form."""
+        rope = self._rope.rope(self.n_quant, self.n_quant + m)
+        packs, new_hat = self._encode(self.pending.data[:, :, :m], rope.cos, rope.sin)
+        metas = tuple((gp.nbits, gp.shape, gp.dtype) for gp in packs)
+        parts = {f"{i}.{k}": getattr(gp, k) for i, gp in enumerate(packs) for k in ("codes", "scale", "minimum")}
+        self.packed.append((m, metas), parts)
         self._packed_bits += sum(p.bits() for p in packs)
-        self.keys.write(self.n_quant, new_hat)
+        self.pending.drop_front(m)
+        self.exact.drop_front(m)
         self.n_quant += m
-        rest = pre.shape[2] - m
-        self.pending = [(pre[:, :, m:].clone(), cos[:, m:].clone(), sin[:, m:].clone())] if rest else []
+        return new_hat
+
+    def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [B, H, n, d] as a single query at the next position reads them, in the model's
+        dtype."""
+        return self._keys(), (self.v_exact.data if self.v_bits is None else self.v.read())
 
     def _read_bits(self, n0, t, k):
         """Per query position p: keys 0..G_t*floor(p/G_t)-1 quantized, the rest in the fp16
@@ -373,7 +437,7 @@ class SVDqLayerState(LayerState):
         return bits_k, self.v.reads(p + 1, p + 1, row)
 
     def stored_bits(self):
-        buf = sum(c[0].numel() for c in self.pending) * 16
+        buf = 0 if not self.pending.n else self.pending.data.numel() * 16
         if self.v_bits is None:
             bits_v = self.v_exact.n * row_elements(self.v_exact) * 16
         else:

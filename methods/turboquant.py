@@ -83,8 +83,8 @@ import torch
 
 from .base import KVMethod, ModelShape, Regime, Unsupported
 from .budget import in_band
-from .codec_state import Codec, CodecLayerState, ExactCodec
-from .gaussquant import pack_codes, prepare_layout, unpack_codes
+from .codec_state import Codec, CodecLayerState, ExactCodec, head_matmul, join_calls
+from .gaussquant import pack_codes, prepare_layout, rows_per_byte_boundary, unpack_calls, unpack_codes
 from .hadamard import haar_orthogonal
 from .latent_codec import sub_seed
 from .packing import pack_bits, unpack_bits
@@ -399,6 +399,12 @@ def outlier_channels(energy: torch.Tensor, n_out: int) -> tuple[torch.Tensor, to
 # ---- the codec --------------------------------------------------------------------------------------
 
 
+def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``einsum("bhte,hed->bhtd")`` of x [B, H, T, e] or, for stored calls stacked [S, B, H, T, e],
+    of each call (:func:`methods.codec_state.head_matmul`: the bits of each call alone)."""
+    return torch.einsum("bhte,hed->bhtd", x, w) if x.dim() == 4 else head_matmul(x, w)
+
+
 @dataclass
 class InstancePacked:
     """What one instance stores for a block of vectors [B, H, T]: the code stream (uint8), QJL sign
@@ -494,7 +500,7 @@ class TurboInstance:
         block and a cat, one launch instead of one per block and the cat)."""
         table, offsets = self._table(rot.device, rot.dtype, blocks)
         c = table[codes if offsets is None else codes + offsets]
-        return torch.einsum("bhte,hed->bhtd", c, rot)
+        return _per_head(c, rot)
 
     def _table(self, device, dtype, blocks):
         """(the blocks' centroids concatenated, per-coordinate offsets into it or None for one
@@ -519,7 +525,7 @@ class TurboInstance:
             return u_hat * (nu * self.scale) if self.scale != 1.0 else u_hat * nu
         zpm = z.to(u_hat.dtype) * 2 - 1
         g = 1.0 if gamma is None else gamma.to(u_hat.dtype)[..., None]
-        qjl = torch.einsum("bhtm,hmd->bhtd", zpm, sketch) * (QJL_SCALE / self.plan.dim)
+        qjl = _per_head(zpm, sketch) * (QJL_SCALE / self.plan.dim)
         return nu * (u_hat + g * qjl)
 
     def decode(self, packed: InstancePacked, shape, dtype) -> torch.Tensor:
@@ -535,14 +541,30 @@ class TurboInstance:
         z = None if packed.signs is None else unpack_bits(packed.signs, 1, self.plan.dim).bool()
         return self._reconstruct(u_hat, z, packed.norm, packed.gamma, sketch)
 
+    def decode_calls(self, calls: int, parts: dict, shape, dtype) -> torch.Tensor:
+        """:meth:`decode` of ``calls`` stored calls at once ([calls, ...] parts -> [calls, B, H, T,
+        d_i]), each with the bits decoding it alone gives (:func:`_per_head`)."""
+        b, h, t, _ = shape
+        norm = parts["norm"]
+        rot, sketch, _, blocks = self._params(norm.device, dtype)
+        if self.plan.code_bits:
+            codes = unpack_calls(parts["codes"], self.plan.widths, b * h * t).reshape(calls, b, h, t, self.plan.dim)
+        else:
+            codes = torch.zeros(calls, b, h, t, self.plan.dim, dtype=torch.long, device=norm.device)
+        u_hat = self._rotate_back(codes, rot, blocks)
+        signs = parts.get("signs")
+        z = None if signs is None else unpack_bits(signs, 1, self.plan.dim).bool()
+        return self._reconstruct(u_hat, z, norm, parts.get("gamma"), sketch)
+
     def put(self, out: torch.Tensor, xs_hat: torch.Tensor) -> None:
-        """Write the decoded subvector into its channels of ``out`` [B, H, T, d]."""
+        """Write the decoded subvector into its channels of ``out`` [..., B, H, T, d]."""
         _, _, ch, _ = self._params(out.device, out.dtype)
         if ch is None:
             out.copy_(xs_hat)
             return
-        b, h, t, _ = out.shape
-        out.scatter_(-1, ch[None, :, None, :].expand(b, h, t, -1), xs_hat)
+        h, n = ch.shape
+        index = ch.reshape(*[1] * (out.dim() - 3), h, 1, n).expand(*out.shape[:-1], n)
+        out.scatter_(-1, index, xs_hat)
 
 
 class TurboCodec(Codec):
@@ -578,6 +600,52 @@ class TurboCodec(Codec):
 
     def bits(self, packed: TurboPacked) -> int:
         return sum(p.bits() for p in packed.parts)
+
+    def parts(self, packed: TurboPacked):
+        parts = {}
+        for i, p in enumerate(packed.parts):
+            parts.update({f"{i}.codes": p.codes, f"{i}.signs": p.signs, f"{i}.norm": p.norm, f"{i}.gamma": p.gamma})
+        return (packed.shape, packed.dtype), parts, {}
+
+    def decode_stored(self, store):
+        """One instance without QJL (the mse stage alone) and calls whose code streams end on
+        whole row groups: every stored code looked up in one pass, one product per run and head
+        (:func:`methods.codec_state.head_matmul`), the norms applied once; else run by run."""
+        runs = store.runs()
+        inst = self.instances[0]
+        g = rows_per_byte_boundary(inst.plan.widths)
+        if (len(self.instances) > 1 or inst.sketch is not None or not inst.plan.code_bits
+                or any((s[0] * s[1] * s[2]) % g for (s, _), *_ in runs)):
+            return super().decode_stored(store)
+        dtype = runs[0][0][1]
+        data = store.flat("0.codes")
+        rot, _, _, blocks = inst._params(data.device, dtype)
+        table, offsets = inst._table(rot.device, rot.dtype, blocks)
+        whole = [calls * b * h * t for ((b, h, t, _), _), calls, _, _ in runs]
+        codes = unpack_codes(data, inst.plan.widths, sum(whole))
+        c = table[codes if offsets is None else codes + offsets]
+        u_hat, at = [], 0
+        for i, (((b, h, t, _), _), calls, _, _) in enumerate(runs):
+            u_hat.append(head_matmul(c[at : at + whole[i]].view(calls, b, h, t, -1), rot))
+            at += whole[i]
+        norm = join_calls([parts["0.norm"][..., None] for _, _, parts, _ in runs])[..., 0]
+        return inst._reconstruct(join_calls(u_hat), None, norm, None, None)
+
+    def decode_calls(self, layout, calls, parts, ragged):
+        shape, dtype = layout
+        mine = [{k.split(".", 1)[1]: v for k, v in parts.items() if k.startswith(f"{i}.")}
+                for i in range(len(self.instances))]
+        if calls == 1:
+            one = [InstancePacked(p["codes"][0], p["signs"][0] if "signs" in p else None, p["norm"][0],
+                                  p["gamma"][0] if "gamma" in p else None) for p in mine]
+            return self.decode(TurboPacked(one, shape, dtype))[None]
+        decoded = [inst.decode_calls(calls, p, shape, dtype) for inst, p in zip(self.instances, mine)]
+        if len(decoded) == 1:
+            return decoded[0]
+        out = torch.empty((calls, *shape), dtype=dtype, device=decoded[0].device)
+        for inst, xs_hat in zip(self.instances, decoded):
+            inst.put(out, xs_hat)
+        return out
 
 
 # ---- the method ---------------------------------------------------------------------------------------

@@ -121,24 +121,46 @@ def test_prefill_then_chunk_equals_prefill_then_steps_in_bf16(one_thread, model_
 
 
 def test_layer_states_keep_the_cache_in_bf16(model_bf16, ids):
-    """The decoded working copies stay in the model's dtype: no float32 copy of the cache (the
-    per-step up-cast) is kept, and decode steps return bf16."""
+    """What attention reads from the stored cache (``read_kv``: the decoded keys and values) is in
+    the model's dtype, the states keep no float32 copy of the cache (nor any decoded copy), and
+    decode steps return bf16."""
     model, stats = model_bf16
     kivi = configured_method(model, "kivi", {"residual": 32, "group": 16, "v_group": 16}, 4.0, 3.0, stats)
     svdq = configured_method(model, "svdq", {"group": 16, "v_group": 16}, 1.5, 3.0, stats)
     cobra = configured_method(model, "cobra_kl", {}, 0.5, 4.0, stats)
-    for method, buffers in ((kivi, lambda s: (s.k.buf.data, s.v.buf.data)),
-                            (svdq, lambda s: (s.keys.data, s.v.buf.data)),
-                            (cobra, lambda s: (s._k.data, s._v.data))):
+    for method in (kivi, svdq, cobra):
         comp = attach(model, method)
         try:
             with torch.no_grad(), comp.session():
                 comp.forward(ids[:, :P], 0, prefill=True)
                 out = comp.forward(ids[:, P : P + 1], P, prefill=False)
-                assert all(x.dtype == torch.bfloat16 for s in comp.states[0] for x in buffers(s))
+                assert all(x.dtype == torch.bfloat16 for s in comp.states[0] for x in s.read_kv())
+                static = {x.untyped_storage().data_ptr() for x in _tensors(method)}  # per-model constants
+                wide = [x.shape for s in comp.states[0] for x in _tensors(s) if x.untyped_storage().data_ptr() not in static
+                        and x.dtype in (torch.float32, torch.float64) and x.numel() >= P]
+                assert not wide, wide
         finally:
             comp.detach()
         _finite_bf16(out)
+
+
+def _tensors(obj, seen=None):
+    """Every tensor reachable from ``obj``'s attributes, lists, tuples and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, seen)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, seen)
+    elif hasattr(obj, "__dict__") and not callable(obj):
+        for x in vars(obj).values():
+            yield from _tensors(x, seen)
 
 
 # ------------------------------------------------------------------------------------------------

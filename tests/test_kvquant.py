@@ -353,9 +353,10 @@ def test_sink_rows_match_the_official_first_few_fp16():
     state.attend(q, k, v, scaling=0.25, prefill=False, k_pre=k, rope=rope)
     ref_k = official_nuq_recon(as_rows(k), 0, False, False, None, lut_k[0], lut_k[1], lut_k[2], first_few_fp16=1)
     ref_v = official_nuq_recon(as_rows(v), -1, True, False, None, None, None, lut_v, first_few_fp16=1)
-    assert torch.equal(as_rows(state._k.data), ref_k)
-    assert torch.equal(as_rows(state._v.data), ref_v)
-    assert torch.equal(state._k.data[:, :, 0], k[:, :, 0]) and torch.equal(state._v.data[:, :, 0], v[:, :, 0])
+    keys, values = state.read_kv()
+    assert torch.equal(as_rows(keys), ref_k)
+    assert torch.equal(as_rows(values), ref_v)
+    assert torch.equal(keys[:, :, 0], k[:, :, 0]) and torch.equal(values[:, :, 0], v[:, :, 0])
 
 
 def test_keys_are_quantized_before_rope():
@@ -372,8 +373,9 @@ def test_keys_are_quantized_before_rope():
     q = torch.randn(1, 2, 10, 16, dtype=F64)
     state.attend(q, k_post, k_pre, scaling=0.25, prefill=False, k_pre=k_pre, rope=rope)
     pre_then_rope = apply_rope(codec.encode_decode(k_pre)[1], rope)
-    assert torch.equal(state._k.data[:, :, 1:], pre_then_rope[:, :, 1:])
-    assert torch.equal(state._k.data[:, :, 0], k_post[:, :, 0])
+    keys = state.read_kv()[0]
+    assert torch.equal(keys[:, :, 1:], pre_then_rope[:, :, 1:])
+    assert torch.equal(keys[:, :, 0], k_post[:, :, 0])
     assert (codec.encode_decode(k_post)[1] - pre_then_rope).abs().max() > 1e-3
 
 

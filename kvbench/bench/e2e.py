@@ -21,8 +21,10 @@ remaining ``n - 1`` tokens over their wall time), peak memory (CUDA: ``max_memor
 after ``reset_peak_memory_stats``; CPU: peak RSS, ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``, weights included), the cache's **stored** bytes (the methods:
 ``stored_bits() / 8`` summed over layers, the formula's bits; the baseline: the bytes of its
-``DynamicCache`` tensors) and **resident** bytes (the distinct tensor storages the layer states
-hold at the end, decoded working copies included; the method's static parameters excluded). Every
+``DynamicCache`` tensors), **resident** bytes (the distinct tensor storages the layer states
+hold at the end; the method's static parameters excluded), also as a ratio to the stored bytes
+(docs/design.md §2: at most 1.15x), and the **scratch** apart: what the layers of the sequence share
+(the RoPE tables of a pre-RoPE codec, :class:`methods.buffers.RopeLog`), counted once. Every
 figure is also given as its ratio to the baseline's at the same length, in the same run.
 
 The row of each (method, length) is the peak-memory ratio, target at most 1.1x (a compressed
@@ -63,7 +65,7 @@ from ..model.compressed_lm import CompressedLM
 from ..model.integrate import attached, cache_argument, model_shape, returned_cache
 from .common import (EVAL_CASES, INFO, BenchModel, Row, Sizes, bench_dtype, budget_label, calib_windows, dtype_name,
                      fmt_bytes, make_method, model_stats, sync)
-from .memory import resident_bytes
+from .memory import resident_bytes, shared_bytes
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +217,7 @@ def plain_generate(model, ids: torch.Tensor, n: int, device) -> dict:
     t2 = time.perf_counter()
     nbytes = resident_bytes(cache)
     return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": new, "stored_bytes": nbytes,
-            "resident_bytes": nbytes}
+            "resident_bytes": nbytes, "scratch_bytes": 0}
 
 
 @torch.no_grad()
@@ -243,10 +245,13 @@ def method_generate(model, method, ids: torch.Tensor, n: int, device) -> dict:
         t2 = time.perf_counter()
         static: set = set()
         resident_bytes(method, static)  # per-model constants (projections, steps): not the cache
-        resident = resident_bytes(marks.get("states"), static)
+        shared: list = []
+        resident = resident_bytes(marks.get("states"), static, shared=shared)
+        scratch = shared_bytes(shared, static)
         stored = sum(b[0] + b[1] for b in comp.last_bits[0]) / 8  # the one row
         return {"prefill_s": marks["prefill_end"] - t0, "decode_s": t2 - marks["prefill_end"], "tokens": new,
-                "stored_bytes": stored, "resident_bytes": resident, "measured_bpd": list(lm.measured_bpd)}
+                "stored_bytes": stored, "resident_bytes": resident, "scratch_bytes": scratch,
+                "measured_bpd": list(lm.measured_bpd)}
 
 
 def run_case(fn, probe: MemoryProbe, device) -> dict:
@@ -405,7 +410,9 @@ def method_row(label, name, bpd, v_bpd, t, n, res, base, weights, kind, dtype: t
                 f"prefill {res['prefill_s']:.3g} s ({ratios.get('prefill', nan):.2f}x), "
                 f"decode {res['decode_tok_s']:.3g} tok/s ({ratios.get('decode_tok_s', nan):.2f}x), "
                 f"stored {fmt_bytes(res['stored_bytes'])} ({ratios.get('stored', nan):.2f}x), "
-                f"resident {fmt_bytes(res['resident_bytes'])} ({ratios.get('resident', nan):.2f}x)")
+                f"resident {fmt_bytes(res['resident_bytes'])} ({ratios.get('resident', nan):.2f}x, "
+                f"{_ratio(res['resident_bytes'], res['stored_bytes']):.2f}x stored), "
+                f"scratch {fmt_bytes(res.get('scratch_bytes', 0))}")
         value = ratios.get("peak", nan)
         shown = f"{value:.2f}x peak"
         if base_ok and value <= PEAK_TARGET and not discriminates(base):
@@ -429,12 +436,12 @@ def _clean(res: dict) -> dict:
 def format_e2e(rows: list[Row]) -> str:
     """The e2e rows as one wide table: absolute figures and ratios to plain transformers."""
     head = ("case", "dtype", "status", "prefill s", "x", "decode tok/s", "x", "peak", "x", "growth x", "stored", "x",
-            "resident", "x")
+            "resident", "x", "/stored", "scratch")
     body = []
     for r in rows:
         d, q = r.detail, r.detail.get("ratios", {})
         if d.get("status") != "ok":
-            body.append((r.name, d.get("dtype", ""), d.get("status", "?")) + ("",) * 11)
+            body.append((r.name, d.get("dtype", ""), d.get("status", "?")) + ("",) * 13)
             continue
 
         def x(key):
@@ -442,7 +449,8 @@ def format_e2e(rows: list[Row]) -> str:
 
         body.append((r.name, d.get("dtype", ""), "ok", f"{d['prefill_s']:.3g}", x("prefill"), f"{d['decode_tok_s']:.3g}",
                      x("decode_tok_s"), fmt_bytes(d["peak_bytes"]), x("peak"), x("peak_growth"),
-                     fmt_bytes(d["stored_bytes"]), x("stored"), fmt_bytes(d["resident_bytes"]), x("resident")))
+                     fmt_bytes(d["stored_bytes"]), x("stored"), fmt_bytes(d["resident_bytes"]), x("resident"),
+                     f"{_ratio(d['resident_bytes'], d['stored_bytes']):.2f}", fmt_bytes(d.get("scratch_bytes", 0))))
     widths = [max(len(str(c[i])) for c in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -11,10 +11,11 @@ method. Methods whose stored cache does not depend on the queries (all but H2O a
 the last query row, so the discarded prefill output costs nothing; H2O and SnapKV get all queries.
 
 Per method: bytes held (stored bits / 8, K + V), the ratio to the FP16 cache (16 bits per element),
-measured bpd_K / bpd_V against ``nominal_bpd(T)``, and the resident bytes of the state's tensors
-(per-sequence storages only: decoded working copies, and any storage a kept view holds alive;
-the method's static parameters are excluded; informational). The row is
-the largest relative deviation |measured / nominal - 1| over K and V; target at most 2%.
+measured bpd_K / bpd_V against ``nominal_bpd(T)``, the resident bytes of the states' tensors
+(per-sequence storages only, any storage a kept view holds alive included; the method's static
+parameters are excluded; informational) and, apart, the scratch: what the layers of a sequence
+share (the RoPE tables of a pre-RoPE codec, :class:`methods.buffers.RopeLog`), counted once. The
+row is the largest relative deviation |measured / nominal - 1| over K and V; target at most 2%.
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ def capture(bm: BenchModel, ids: torch.Tensor) -> list[tuple]:
     return [rec.sink[i] for i in range(len(rec.sink))]
 
 
-def resident_bytes(obj, seen: set | None = None, depth: int = 0) -> int:
+def resident_bytes(obj, seen: set | None = None, depth: int = 0, shared: list | None = None) -> int:
     """Bytes of the distinct tensor storages reachable from ``obj``'s attributes (lists, tuples,
-    dicts and objects with ``__dict__`` followed; callables and modules not)."""
+    dicts and objects with ``__dict__`` followed; callables and modules not).
+
+    An object whose class sets ``shared_by_layers`` (the per-sequence tables every layer of a
+    sequence reads, :class:`methods.buffers.RopeLog`) is not followed: it is appended to ``shared``
+    and counted once by :func:`shared_bytes`, the "scratch" figure beside the layers' own bytes."""
     seen = set() if seen is None else seen
     if depth > 8 or id(obj) in seen:
         return 0
@@ -91,6 +96,10 @@ def resident_bytes(obj, seen: set | None = None, depth: int = 0) -> int:
         seen.add(key)
         return st.nbytes()
     seen.add(id(obj))
+    if getattr(type(obj), "shared_by_layers", False):
+        if shared is not None:
+            shared.append(obj)
+        return 0
     if isinstance(obj, dict):
         items = list(obj.values())
     elif isinstance(obj, (list, tuple, set)):
@@ -99,7 +108,14 @@ def resident_bytes(obj, seen: set | None = None, depth: int = 0) -> int:
         items = list(vars(obj).values())
     else:
         return 0
-    return sum(resident_bytes(x, seen, depth + 1) for x in items)
+    return sum(resident_bytes(x, seen, depth + 1, shared) for x in items)
+
+
+def shared_bytes(objs: list, seen: set | None = None) -> int:
+    """Bytes of the distinct tensor storages of the shared objects :func:`resident_bytes` set
+    apart (each counted once, however many layers hold it)."""
+    seen = set() if seen is None else seen
+    return sum(resident_bytes(vars(o), seen) for o in objs)
 
 
 @torch.no_grad()
@@ -116,16 +132,20 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=MEMORY_CASES) -> list[Row]:
         method = make_method(name, options, shape, bpd, v_bpd, stats)
         log.info("memory: %s (%s)", label, budget_label(bpd, v_bpd))
         bits_k = bits_v = resident = 0
+        states, shared = [], []
         for layer, (q, k, v, k_pre, rope, scaling) in enumerate(layers):
             qq = q if name in QUERY_DEPENDENT else q[:, :, -1:]
             state = method.new_layer_state(layer)
             state.attend(qq, k, v, scaling=scaling, prefill=True, k_pre=k_pre, rope=rope)
             bk, bv = state.stored_bits()
             bits_k, bits_v = bits_k + bk, bits_v + bv
-            static: set = set()
-            resident_bytes(method, static)  # per-model constants (projections, steps, their caches)
-            resident += resident_bytes(state, static)
-            del state
+            states.append(state)
+        static: set = set()
+        resident_bytes(method, static)  # per-model constants (projections, steps, their caches)
+        for state in states:
+            resident += resident_bytes(state, static, shared=shared)
+        scratch = shared_bytes(shared, static)
+        del states, shared
         measured = (bits_k / elements, bits_v / elements)
         nominal = method.nominal_bpd(t)
         dev = [abs(m / n - 1.0) * 100 for m, n in zip(measured, nominal)]
@@ -135,12 +155,12 @@ def run(bm: BenchModel, sizes: Sizes, stats, cases=MEMORY_CASES) -> list[Row]:
             TARGET_PCT, shown=f"{max(dev):.3g}%",
             note=(f"{fmt_bytes(held)} = {held / fp16_bytes:.3f} of fp16 {fmt_bytes(fp16_bytes)}; "
                   f"bpd K {measured[0]:.3f}/{nominal[0]:.3f}, V {measured[1]:.3f}/{nominal[1]:.3f}; "
-                  f"resident {resident / fp16_bytes:.2f}x fp16"),
+                  f"resident {resident / fp16_bytes:.2f}x fp16, scratch {fmt_bytes(scratch)}"),
             detail={
                 "method": name, "options": options, "bpd": bpd, "v_bpd": v_bpd, "tokens": t,
                 "bytes_held": held, "bytes_fp16": fp16_bytes, "ratio_to_fp16": held / fp16_bytes,
                 "measured_bpd": list(measured), "nominal_bpd": list(nominal), "deviation_pct": dev,
-                "resident_bytes": resident, "resident_to_fp16": resident / fp16_bytes,
+                "resident_bytes": resident, "resident_to_fp16": resident / fp16_bytes, "scratch_bytes": scratch,
                 "queries": "all" if name in QUERY_DEPENDENT else "last row",
             },
         ))

@@ -117,8 +117,9 @@ Decisions where docs/methods.md is silent:
   side above and one below its own target; both are reported.
 * Per-token codec bits are measured per encode call; the only non-uniformity, < 8 padding bits per
   call of a bit-packed codec, is spread over the call's tokens. Packed streams are not retained
-  after encoding (the eviction would have to compact them); the decoded working copy in the
-  eviction state is what attention reads, as in every layer state.
+  after encoding (the eviction would have to compact them): the eviction state holds the decoded
+  tokens and attention reads them, so a composed cache's resident bytes exceed its stored bytes
+  (the other layer states hold their stored form alone, docs/design.md §2).
 * The eviction state's own accounting gives its state bits: its stored bits minus 16 per kept
   element (H2O: the score, plus positions with ``count_indices``).
 * The eviction is configured through its own bpd mapping at rho (H2O with ``budget="nominal"``,
