@@ -57,13 +57,13 @@ def test_states_hold_their_stored_bytes(one_thread, model_and_stats, name, optio
             comp.forward(ids[:, :P], 0, prefill=True)
             for t in range(P, P + STEPS):
                 comp.forward(ids[:, t : t + 1], t, prefill=False)
-            stored = sum(k + v for k, v in (s.stored_bits() for s in comp.states)) / 8
+            stored = sum(k + v for k, v in (s.stored_bits() for s in comp.states[0])) / 8
             static: set = set()
             resident_bytes(method, static)  # per-model constants
             shared: list = []
-            resident = resident_bytes(comp.states, static, shared=shared)
+            resident = resident_bytes(comp.states[0], static, shared=shared)
             scratch = shared_bytes(shared, static)
-            n = comp.states[0].n_seen
+            n = comp.states[0][0].n_seen
     finally:
         comp.detach()
     cfg = model.config
