@@ -23,6 +23,10 @@ Tensors: queries ``[B, Hq, T, d]`` and keys/values ``[B, Hkv, T, d]`` post-RoPE,
 model's attention sees; ``k_pre`` is the same keys before RoPE (``k_proj`` output, bias included)
 and ``rope = (cos, sin)`` with shape ``[B, T, d]`` lets a pre-RoPE codec re-apply the rotation to
 its decoded keys (HF ``rotate_half`` convention). Nothing here imports transformers.
+
+Batches: a layer state holds one sequence. The harness gives each row of a batch its own states
+and only that row's real tokens (docs/design.md §2.1), so a state never sees padding and B is 1 in
+every call it gets from the harness.
 """
 
 from __future__ import annotations
