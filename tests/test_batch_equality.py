@@ -207,3 +207,35 @@ def test_a_job_at_batch_4_reports_the_metrics_of_batch_1(tmp_path, tiny_checkpoi
                 assert a[key] == b[key], (section, key)
             else:
                 assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), (section, key)
+
+
+@pytest.mark.slow
+def test_ruler_generation_in_batches_equals_one_by_one(smollm2):
+    """lm-eval's generation requests (two tasks with different max_gen_toks) through the HFLM at
+    batch 3: the predictions, records and readings of batch 1, readings in request order."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.tasks import ruler as R
+
+    tok = smollm2.tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).eval().to(torch.float64)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    method = build_method("h2o", min_budget=4)
+    method.set_regime(Regime("prefill", 1024, 32))
+    method.configure(model_shape(model), 8.0, None)
+    runs = []
+    for batch in (1, 3):
+        lm = CompressedLM(model, tok, attach(model, method))
+        try:
+            out = R.evaluate_ruler(lm, tasks=["vt", "niah_single_1"], lengths=[1024], limit=3, batch_size=batch)
+        finally:
+            lm.compressor.detach()
+        runs.append((out, lm.readings))
+    (one, read_one), (three, read_three) = runs
+    assert three["batch_size"] == 3 and one["batch_size"] == 1
+    assert [r["prediction"] for r in three["records"]] == [r["prediction"] for r in one["records"]]
+    assert [r.get("bpd_k") for r in three["records"]] == [r.get("bpd_k") for r in one["records"]]
+    _same_readings(read_three, read_one)

@@ -133,8 +133,9 @@ class CompressedHFLM(HFLM):
 
     @contextlib.contextmanager
     def _readings_in_order(self, n: int):
-        """``place(i)`` marks the reading just appended as request ``i``'s; on the way out the
-        readings of the ``n`` requests are put in request order, as if they had run one by one."""
+        """``place(i)`` marks the next reading appended since the block began (in the order they
+        were appended) as request ``i``'s; on the way out the readings of the ``n`` requests are
+        put in request order, as if they had run one by one."""
         readings = getattr(self.clm, "readings", None)
         start, placed = mark(self.clm), {}
 
@@ -186,10 +187,8 @@ class CompressedHFLM(HFLM):
         stops = stop_token_ids(self.clm.model, self.tokenizer)
         out, records, done = [None] * len(requests), [None] * len(requests), {}
         bar = tqdm(total=len(requests), desc="generate", unit="item", disable=disable_tqdm)
-        start = mark(self.clm)
-        placed = {}
 
-        def each(group):
+        def each(group, place):
             def answered(j, new, bpd):
                 i, a = group[j], asked[group[j]]
                 text = self.tok_decode(new)
@@ -198,6 +197,7 @@ class CompressedHFLM(HFLM):
                         text = text.split(term)[0]
                 self.cache_hook.add_partial("generate_until", (requests[i].args[0], requests[i].args[1]), text)
                 out[i] = text
+                place(i)
                 records[i] = {"task": a["task"], "doc_id": getattr(requests[i], "doc_id", None),
                               "prompt_tokens": len(a["prompt"].ids), "context_tokens": a["prompt"].how["context_tokens"],
                               "new_tokens": len(new), "max_gen_toks": a["max_gen"],
@@ -210,17 +210,12 @@ class CompressedHFLM(HFLM):
                               new_tokens=len(new), **bpd)
             return answered
 
-        for max_gen in dict.fromkeys(a["max_gen"] for a in asked):
-            group = [i for i, a in enumerate(asked) if a["max_gen"] == max_gen]
-            before = mark(self.clm)
-            generate_prompts(self.clm, [asked[i]["prompt"] for i in group], max_gen, stops, size, each(group))
-            readings = getattr(self.clm, "readings", None)
-            if readings is not None:
-                placed.update(zip(group, readings[before:]))
+        with self._readings_in_order(len(requests)) as place:
+            for max_gen in dict.fromkeys(a["max_gen"] for a in asked):
+                group = [i for i, a in enumerate(asked) if a["max_gen"] == max_gen]
+                generate_prompts(self.clm, [asked[i]["prompt"] for i in group], max_gen, stops, size,
+                                 each(group, place))
         bar.close()
-        readings = getattr(self.clm, "readings", None)
-        if readings is not None and len(placed) == len(requests) == len(readings) - start:
-            readings[start:] = [placed[i] for i in range(len(requests))]
         self.generation_records = records
         return out
 
