@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..model.batching import chunks, longest_first
 from .query_protocol import protocol, cut_at_question, tail_start
-from .reporting import mark, reading_bpd
+from .reporting import reading_bpd, readings_in_order
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +79,15 @@ def generate_prompts(lm, prompts: list[ProtocolPrompt], max_new_tokens: int, sto
     order): ``each(i, new_ids, bpd)`` runs as prompt ``i`` is answered, ``bpd`` being
     ``{"bpd_k", "bpd_v"}`` (the bits it read). ``lm``'s readings are left in the prompts' order,
     as if they had run one by one."""
-    start = mark(lm)
-    readings = [None] * len(prompts)
     order = longest_first([len(p.ids) for p in prompts]) if batch_size > 1 else list(range(len(prompts)))
-    for batch in chunks(order, batch_size):
-        new = lm.generate_rows([prompts[i].ids for i in batch], max_new_tokens, stop_ids,
-                               [prompts[i].n_context for i in batch])
-        got = getattr(lm, "readings", None)
-        for j, i in enumerate(batch):
-            readings[i] = got[len(got) - len(batch) + j] if got else None
-            each(i, new[j], reading_bpd(readings[i]))
-    if getattr(lm, "readings", None) and all(r is not None for r in readings):
-        lm.readings[start:] = readings
+    with readings_in_order(lm, len(prompts)) as place:
+        for batch in chunks(order, batch_size):
+            new = lm.generate_rows([prompts[i].ids for i in batch], max_new_tokens, stop_ids,
+                                   [prompts[i].n_context for i in batch])
+            got = getattr(lm, "readings", None)
+            for j, i in enumerate(batch):
+                place(i)
+                each(i, new[j], reading_bpd(got[len(got) - len(batch) + j] if got else None))
 
 
 def answer_items(lm, prompts: list[ProtocolPrompt], max_new_tokens: int, stop_ids: list[int],

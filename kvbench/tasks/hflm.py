@@ -14,7 +14,6 @@ new tokens, the bits that item read), and each generation record keeps that item
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -27,7 +26,7 @@ from ..model.batching import chunks, longest_first, pad
 from .batch_size import generation_probe, resolve_batch_size, scoring_probe
 from .generation import ProtocolPrompt, generate_prompts, stop_token_ids
 from .query_protocol import protocol, cut_at_question
-from .reporting import RunningBpd, mark
+from .reporting import RunningBpd, readings_in_order
 
 #: the most progress points one batch of scored requests makes
 REPORTS = 200
@@ -85,7 +84,7 @@ class CompressedHFLM(HFLM):
         size = self._rows(probe, "zeroshot")
         score = self._score_in_pass if in_pass else self._score_prefill
         out = [None] * len(requests)
-        with self._readings_in_order(len(requests)) as place:
+        with readings_in_order(self.clm, len(requests)) as place:
             batches = chunks(longest_first([len(a) + len(b) for a, b in rows]), size)
             for batch in tqdm(batches, desc="zero-shot requests", unit="batch", disable=disable_tqdm):
                 for i, answer in zip(batch, score([rows[i] for i in batch])):
@@ -130,22 +129,6 @@ class CompressedHFLM(HFLM):
         loglikelihood-type metrics, never acc/acc_norm of multiple choice."""
         logprobs = self.clm.score_rows([c for c, _ in rows], [t for _, t in rows])
         return [(float(lp.sum()), False) for lp in logprobs]
-
-    @contextlib.contextmanager
-    def _readings_in_order(self, n: int):
-        """``place(i)`` marks the next reading appended since the block began (in the order they
-        were appended) as request ``i``'s; on the way out the readings of the ``n`` requests are
-        put in request order, as if they had run one by one."""
-        readings = getattr(self.clm, "readings", None)
-        start, placed = mark(self.clm), {}
-
-        def place(i: int) -> None:
-            if readings is not None:
-                placed[i] = readings[start + len(placed)]
-
-        yield place
-        if readings is not None and len(placed) == n == len(readings) - start:
-            readings[start:] = [placed[i] for i in range(n)]
 
     def _request_reporter(self, total: int):
         """A callable run after each scored request: every ``total / REPORTS`` requests (and at
@@ -210,7 +193,7 @@ class CompressedHFLM(HFLM):
                               new_tokens=len(new), **bpd)
             return answered
 
-        with self._readings_in_order(len(requests)) as place:
+        with readings_in_order(self.clm, len(requests)) as place:
             for max_gen in dict.fromkeys(a["max_gen"] for a in asked):
                 group = [i for i, a in enumerate(asked) if a["max_gen"] == max_gen]
                 generate_prompts(self.clm, [asked[i]["prompt"] for i in group], max_gen, stops, size,

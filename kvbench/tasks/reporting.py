@@ -8,6 +8,7 @@ models of the tests have no ``readings``: nothing is reported for them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from ..context import Progress, no_progress
@@ -24,6 +25,24 @@ def bpd_since(lm, start: int) -> dict:
     (bits per element); ``{}`` when there are none."""
     readings = getattr(lm, "readings", None)
     return _bpd(summarize_readings(readings[start:]) if readings else None)
+
+
+@contextlib.contextmanager
+def readings_in_order(lm, n: int):
+    """``with readings_in_order(lm, n) as place:`` — ``place(i)`` marks the next of ``lm``'s
+    readings appended since the block began (in the order they were appended) as item ``i``'s;
+    on the way out the readings of the ``n`` items are put in item order, as if the items had run
+    one by one (a batch runs them in another order)."""
+    readings = getattr(lm, "readings", None)
+    start, placed = mark(lm), {}
+
+    def place(i: int) -> None:
+        if readings is not None:
+            placed[i] = readings[start + len(placed)]
+
+    yield place
+    if readings is not None and len(placed) == n == len(readings) - start:
+        readings[start:] = [placed[i] for i in range(n)]
 
 
 def reading_bpd(reading) -> dict:
