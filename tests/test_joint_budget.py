@@ -70,15 +70,20 @@ def test_kivi_joint_keeps_its_band_on_the_mean_where_the_sides_are_under_their_c
     assert abs((b["fit"]["predicted_bpd_k"] + b["fit"]["predicted_bpd_v"]) / 2 - 4.0) <= 0.08
 
 
-def test_kvquant_joint_reaches_bpd_kv_1_on_llama_and_no_integer_budget_on_smollm2():
+def test_kvquant_joint_reaches_bpd_kv_1_on_llama_and_integer_budgets_on_smollm2_from_under():
     with pytest.raises(Unsupported):
         _configured(KVQuant, LLAMA, QALL, 1.0)
     kn = _configured(KVQuant, LLAMA, QALL, 1.0, joint_kv=True).knobs()
     assert (kn["k_bits"], kn["v_bits"], kn["joint_kv"]) == (1, 1, 1.0)
     assert abs((kn["predicted_bpd_k"] + kn["predicted_bpd_v"]) / 2 - 1.0) <= 0.02
-    for bpd in (1.0, 2.0, 3.0, 4.0):  # values cost b + 32/192: every mean is b-bar + 0.083
-        with pytest.raises(Unsupported, match="joint_kv"):
-            _configured(KVQuant, SMOL, QALL, bpd, joint_kv=True)
+    # SmolLM2: values cost b + 32/192, every mean is b-bar + 0.083 (+ the sink share): no pair is
+    # within 2% of an integer bpd_KV, and from 2 on a cheaper pair is under the ceiling
+    with pytest.raises(Unsupported, match="joint_kv"):
+        _configured(KVQuant, SMOL, QALL, 1.0, joint_kv=True)  # the cheapest mean is 1.04
+    for bpd in (2.0, 3.0, 4.0):
+        kn = _configured(KVQuant, SMOL, QALL, bpd, joint_kv=True).knobs()
+        mean = (kn["predicted_bpd_k"] + kn["predicted_bpd_v"]) / 2
+        assert bpd - 1 < mean <= bpd  # the most expensive admissible pair, under the target
 
 
 def test_gear_joint_matches_the_side_by_side_fit_where_it_exists_and_names_the_floor():
@@ -88,3 +93,28 @@ def test_gear_joint_matches_the_side_by_side_fit_where_it_exists_and_names_the_f
     assert b["fit"]["joint_kv"] == 4.0
     with pytest.raises(Unsupported, match="joint_kv"):
         _configured(Gear, SMOL, TRACK_B, 2.0, seed=0, joint_kv=True)
+
+
+def test_admissible_pairs_are_under_the_ceiling_near_ones_first_then_the_largest_mean():
+    from methods.joint_budget import admissible_pairs
+
+    pairs = [(k, v) for k in (1.0, 1.98, 3.0) for v in (1.0, 2.02, 3.0)]
+    ranked = admissible_pairs(pairs, float, 2.0, 0.02, lambda k, v: (k,))
+    assert ranked[0] == (1.98, 2.02)  # within 2%, the most balanced
+    assert all((k + v) / 2 <= 2.04 for k, v in ranked)
+    assert (3.0, 1.0) in ranked and (3.0, 3.0) not in ranked
+    means = [(k + v) / 2 for k, v in ranked[1:]]
+    assert means == sorted(means, reverse=True)  # the cheaper pairs, the largest mean first
+
+
+def test_kivi_joint_offers_its_admissible_pairs_to_the_knob_search():
+    m = Kivi(joint_kv=True)
+    m.set_regime(QALL)
+    cands = m.knob_candidates(SMOL, 4.0, 4.0, 27)
+    assert 1 < len(cands) <= 27 and m.searches() == ("knobs",)
+    for knobs in cands[:5]:
+        m.use_knobs(knobs)
+        m.configure(SMOL, 4.0, 4.0)
+        kn = m.knobs()
+        assert {k: kn[k] for k in knobs} == knobs
+        assert (kn["fit"]["predicted_bpd_k"] + kn["fit"]["predicted_bpd_v"]) / 2 <= 4.0 * 1.02 + 1e-9
