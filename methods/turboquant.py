@@ -20,17 +20,19 @@ from typing import ClassVar
 import torch
 
 from .base import KVMethod, ModelShape
+from .budget import AT_TARGET, spread as knob_order
 from .codec_state import CodecLayerState, ExactCodec
 from .latent_codec import sub_seed
-from .turboquant_budget import (InstancePlan, SidePlan, budget_plan, headline_bpd, plain_plan, plan_for_code_bits,
-                                reachable_plans, spread)
+from .turboquant_budget import (PLANS, InstancePlan, SidePlan, admissible_knobs, budget_plan, headline_bpd,
+                                paper_plan, plain_plan, plan_for_code_bits, reachable_plans,
+                                side_plan, spread)
 from .turboquant_codebook import Codebook, lloyd_max, unit_distortion
 from .turboquant_codec import (SKETCHES, InstancePacked, TurboCodec, TurboInstance, TurboPacked, outlier_channels,
                                rotation, sketch_matrix)
 
 __all__ = ["Codebook", "InstancePacked", "InstancePlan", "SidePlan", "TurboCodec", "TurboInstance", "TurboPacked",
            "TurboQuant", "budget_plan", "headline_bpd", "lloyd_max", "outlier_channels", "plain_plan",
-           "plan_for_code_bits", "reachable_plans", "rotation", "sketch_matrix", "spread", "unit_distortion"]
+           "paper_plan", "plan_for_code_bits", "reachable_plans", "rotation", "sketch_matrix", "spread", "unit_distortion"]
 
 VARIANTS = ("mse", "prod")
 SIDES = ("k", "v")
@@ -49,8 +51,10 @@ class TurboQuant(KVMethod):
 
     Options: ``bits`` / ``v_bits`` (plain-paper rows b + 16/d, run as set; null = the equal-budget
     mapping from bpd / v_bpd), ``k_variant`` "mse" | "prod" (values are always mse, §16.3),
-    ``split`` (§16.4), ``pre_rope`` (§16.5: keys coded before RoPE), ``sketch`` "gaussian" |
-    "orthogonal", ``debias`` (§16.3 ablation, mse keys)."""
+    ``split`` (§16.4), both null = chosen by the held-out knob search with the plan (the paper's
+    b + 1/2-bit setting or the nearest, :meth:`knob_candidates`), mse and no split without one;
+    ``pre_rope`` (§16.5: keys coded before RoPE), ``sketch`` "gaussian" | "orthogonal", ``debias``
+    (§16.3 ablation, mse keys)."""
 
     name: ClassVar[str] = "turboquant"
     needs_calibration: ClassVar[bool] = True  # the harness's seed (and the split's energies)
@@ -58,14 +62,14 @@ class TurboQuant(KVMethod):
 
     bits: int | None = None
     v_bits: int | None = None
-    k_variant: str = "mse"
-    split: bool = False
+    k_variant: str | None = None
+    split: bool | None = None
     pre_rope: bool = False
     sketch: str = "gaussian"
     debias: bool = False
 
     def __post_init__(self):
-        if self.k_variant not in VARIANTS:
+        if self.k_variant is not None and self.k_variant not in VARIANTS:
             raise ValueError(f"turboquant: k_variant={self.k_variant!r} not in {VARIANTS}")
         if self.sketch not in SKETCHES:
             raise ValueError(f"turboquant: sketch={self.sketch!r} not in {SKETCHES}")
@@ -74,17 +78,36 @@ class TurboQuant(KVMethod):
         self._codecs: dict | None = None
         self._knobs: dict = {}
         self._seed = 0
+        self._split = bool(self.split)
+
+    def _choice(self) -> dict:
+        """The knobs in force: the search's choice, else the options, else mse keys, no split, the
+        nearest plan."""
+        chosen = self.chosen_knobs or {}
+        if chosen.get("plan", "nearest") not in PLANS or chosen.get("k_variant", "mse") not in VARIANTS:
+            raise ValueError(f"turboquant: knobs {chosen} (plan in {PLANS}, k_variant in {VARIANTS})")
+        return {"k_variant": chosen.get("k_variant", self.k_variant or "mse"),
+                "split": bool(chosen.get("split", bool(self.split))), "plan": chosen.get("plan", "nearest")}
 
     def configure(self, shape, bpd_k, bpd_v):
         self._shape = shape
+        c = self._choice()
+        self._split = c["split"]
         self._plans = {
-            "k": self._side_plan(shape, self.bits, bpd_k, self.k_variant),
-            "v": self._side_plan(shape, self.v_bits, bpd_v, "mse"),
+            "k": self._side_plan(shape, self.bits, bpd_k, c["k_variant"], c["plan"]),
+            "v": self._side_plan(shape, self.v_bits, bpd_v, "mse", c["plan"]),
         }
-        self._knobs = {"target_bpd_k": bpd_k, "target_bpd_v": bpd_v, "k_variant": self.k_variant,
-                       "split": self.split, "pre_rope": self.pre_rope, "sketch": self.sketch,
+        self._knobs = {"target_bpd_k": bpd_k, "target_bpd_v": bpd_v, "k_variant": c["k_variant"],
+                       "split": self._split, "plan": c["plan"], "pre_rope": self.pre_rope, "sketch": self.sketch,
                        "debias": self.debias, "regime": asdict(self.regime)}
         d = shape.head_dim
+        head = {s: 16.0 if p is None else headline_bpd(p, shape.n_kv_heads, d, self.regime)
+                for s, p in self._plans.items()}
+        self._knobs["predicted"] = {"regime": asdict(self.regime), "bpd_k": head["k"], "bpd_v": head["v"]}
+        if bpd_k is not None and self.bits is None:
+            self._knobs["fit"] = {"band": AT_TARGET, "chosen_by": "held-out knob search" if self.chosen_knobs
+                                  else "options" if self.k_variant is not None and self.split is not None
+                                  else "preference"}
         for side, plan in self._plans.items():
             if plan is None:
                 self._knobs[f"{side}_plan"] = "exact16"
@@ -98,13 +121,30 @@ class TurboQuant(KVMethod):
                 f"{side}_mode": "plain" if (self.bits if side == "k" else self.v_bits) is not None else "budget",
             })
 
-    def _side_plan(self, shape, bits, target, variant) -> SidePlan | None:
-        d = shape.head_dim
+    def _side_plan(self, shape, bits, target, variant, plan) -> SidePlan | None:
         if bits is not None:
-            return plain_plan(bits, d, variant, self.split)
-        if target is None or float(target) == 16:
-            return None
-        return budget_plan(float(target), shape, variant, self.split, self.regime)
+            return plain_plan(bits, shape.head_dim, variant, self._split)
+        return side_plan(target, shape, variant, self._split, self.regime, plan)
+
+    def searches(self) -> tuple[str, ...]:
+        """``"knobs"``: the key variant, the split and the plan chosen on held-out text, unless the
+        keys run a plain-paper row (``bits``) or both knobs are set."""
+        fixed = self.bits is not None or (self.k_variant is not None and self.split is not None)
+        return () if fixed else ("knobs",)
+
+    def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
+        """The admissible {"k_variant", "split", "plan"} at the targets in the job's regime
+        (:func:`methods.turboquant_budget.admissible_knobs`; the options given stay fixed): the
+        paper's b + 1/2-bit settings first (the split literally, mse then prod keys), then the
+        equal-budget plans, split first, mse before prod (:func:`methods.budget.spread`, one point
+        per family)."""
+        if bpd_k is None or "knobs" not in self.searches():
+            return []
+        variants = VARIANTS if self.k_variant is None else (self.k_variant,)
+        splits = (False, True) if self.split is None else (bool(self.split),)
+        points = admissible_knobs(shape, float(bpd_k), None if bpd_v is None else float(bpd_v), self.regime,
+                                  variants, splits)
+        return knob_order(points, lambda o: (o["plan"] == "paper", o["split"], o["k_variant"] == "mse"), limit)
 
     def calibrate(self, stats, seed=0):
         """Draws Pi and S from ``seed``; reads the statistics only for the split's pair energies."""
@@ -112,7 +152,7 @@ class TurboQuant(KVMethod):
             raise RuntimeError("turboquant: configure() before calibrate()")
         if stats is not None and len(stats) != self._shape.n_layers:
             raise ValueError(f"turboquant: {len(stats)} layer statistics for {self._shape.n_layers} layers")
-        if self.split and stats is None:
+        if self._split and stats is None:
             raise ValueError("turboquant split: the outlier channels need calibration statistics")
         self._seed = int(seed)
         self._codecs = {}
@@ -123,7 +163,7 @@ class TurboQuant(KVMethod):
                 if plan is None:
                     layers.append(ExactCodec())
                     continue
-                energy = None if not self.split else _energy(stats[layer], side)
+                energy = None if not self._split else _energy(stats[layer], side)
                 layers.append(self._codec(plan, layer, side_i, energy))
             self._codecs[side] = layers
         self._knobs.update(seed=self._seed, rotation_bytes_if_stored=self._rotation_bytes())
@@ -131,7 +171,7 @@ class TurboQuant(KVMethod):
     def _codec(self, plan: SidePlan, layer: int, side_i: int, energy) -> TurboCodec:
         h = self._shape.n_kv_heads
         channels = [None]
-        if self.split:
+        if self._split:
             channels = list(outlier_channels(energy, plan.instances[0].dim))
         instances = []
         for j, (inst, ch) in enumerate(zip(plan.instances, channels)):
@@ -159,7 +199,7 @@ class TurboQuant(KVMethod):
             return 0
         books = {(b, i.dim) for p in self._plans.values() if p for i in p.instances for b in i.widths}
         total = sum(4 * (1 << b) for b, _ in books) + 8
-        if self.split:
+        if self._split:
             sides = sum(p is not None for p in self._plans.values())
             total += (sides * self._shape.n_heads_total * (self._shape.head_dim // 2) + 7) // 8
         return total

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import ModelShape, Regime, Unsupported
-from .budget import in_band
+from .budget import AT_TARGET, under_ceiling
 from .turboquant_codebook import MAX_BITS
 
 NORM_BITS = 16  # nu and gamma are fp16
@@ -146,16 +146,85 @@ def headline_bpd(plan: SidePlan, heads: int, d: int, regime: Regime) -> float:
 
 
 def budget_plan(target: float, shape: ModelShape, variant: str, split: bool, regime: Regime) -> SidePlan:
-    """The equal-budget mapping: the reachable plan nearest to ``target`` d bits per vector, its
-    headline in ``regime`` within 2 % of the target; else :class:`Unsupported` with the range."""
+    """The equal-budget mapping: of the reachable plans whose headline in ``regime`` is under the
+    ceiling (at most 1.02 x the target, :func:`methods.budget.under_ceiling`, docs/methods.md §0.1),
+    the one nearest to ``target`` d bits per vector (ties: fewer bits); else :class:`Unsupported`
+    with the range."""
     d = shape.head_dim
     plans = reachable_plans(d, variant, split)
-    plan = min(plans, key=lambda p: (abs(p.bits - target * d), p.bits))
-    got = headline_bpd(plan, shape.n_kv_heads, d, regime)
-    if not in_band(got, target, eps=0.0):
+    ok = [p for p in plans if under_ceiling(headline_bpd(p, shape.n_kv_heads, d, regime), target)]
+    if not ok:
         lo, hi = plans[0].bits / d, plans[-1].bits / d
+        got = headline_bpd(plans[0], shape.n_kv_heads, d, regime)
         raise Unsupported(
             f"turboquant ({variant}{', split' if split else ''}): bpd {target:g} unreachable on head_dim {d}; "
-            f"reachable {lo:.4g}..{hi:.4g} in steps of 1/{d} (nearest: {got:.4g})"
+            f"reachable {lo:.4g}..{hi:.4g} in steps of 1/{d} (the cheapest measures {got:.4g}, over "
+            f"{1 + AT_TARGET:g} x the target)"
         )
-    return plan
+    return min(ok, key=lambda p: (abs(p.bits - target * d), p.bits))
+
+
+def is_paper_label(target: float | None) -> bool:
+    """Whether ``target`` is one of the paper's split settings, b + 1/2 bits (2.5, 3.5; §16.4)."""
+    return target is not None and float(target) >= 1.5 and (2 * float(target)) % 2 == 1
+
+
+def paper_plan(label: float, d: int, variant: str) -> SidePlan:
+    """The paper's b + 1/2-bit setting (§16.4) literally: the outlier split, the outliers at
+    ceil(label) bits, the rest at floor(label), TurboQuant_prod's QJL bit included in each
+    (:func:`plain_plan` at floor(label) with the split): 32 @3 + 96 @2 + 2 norms at 2.5, d = 128."""
+    if not is_paper_label(label):
+        raise ValueError(f"turboquant: {label!r} is not one of the paper's b + 1/2-bit settings")
+    return plain_plan(int(label), d, variant, True)
+
+
+#: how a side's widths follow from its target: the paper's b + 1/2-bit setting literally, or the
+#: equal-budget mapping (:func:`budget_plan`)
+PLANS = ("paper", "nearest")
+
+
+def side_plan(target: float | None, shape: ModelShape, variant: str, split: bool, regime: Regime,
+              plan: str = "nearest") -> SidePlan | None:
+    """One side's plan at ``target`` (None: no target or 16, the side stays exact): ``"paper"`` at a
+    paper label (:func:`paper_plan`, the split) when its headline is under the ceiling, else
+    :class:`Unsupported`; otherwise :func:`budget_plan`."""
+    if target is None or float(target) == 16:
+        return None
+    target = float(target)
+    if plan == "paper" and is_paper_label(target):
+        d = shape.head_dim
+        try:
+            p = paper_plan(target, d, variant)
+        except ValueError as err:
+            raise Unsupported(f"turboquant ({variant}): {err}") from err
+        got = headline_bpd(p, shape.n_kv_heads, d, regime)
+        if not under_ceiling(got, target):
+            raise Unsupported(f"turboquant ({variant}): the paper's {target:g}-bit setting ({p.label()}) measures "
+                              f"{got:.4g} on head_dim {d}, over {1 + AT_TARGET:g} x the target")
+        return p
+    return budget_plan(target, shape, variant, split, regime)
+
+
+def admissible_knobs(shape: ModelShape, bpd_k: float, bpd_v: float | None, regime: Regime,
+                     variants: tuple[str, ...], splits: tuple[bool, ...]) -> list[dict]:
+    """The knobs the held-out search may choose at the targets (docs/methods.md §0.1, §16.10):
+    {"k_variant", "split", "plan"} for every key variant of ``variants`` and split of ``splits``
+    whose plans are under the ceiling of each target; ``plan="paper"`` (the split) where the key
+    target is a paper label, ``"nearest"`` always, a nearest plan dropped when it equals the paper's.
+    Values are always mse and share the split."""
+    out, seen = [], set()
+    for plan in PLANS:
+        for split in splits:
+            if plan == "paper" and not (split and is_paper_label(bpd_k)):
+                continue
+            for variant in variants:
+                try:
+                    plans = (side_plan(bpd_k, shape, variant, split, regime, plan),
+                             side_plan(bpd_v, shape, "mse", split, regime, plan))
+                except Unsupported:
+                    continue
+                key = tuple(None if p is None else p.instances for p in plans)
+                if key not in seen:
+                    seen.add(key)
+                    out.append({"k_variant": variant, "split": split, "plan": plan})
+    return out
