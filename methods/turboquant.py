@@ -142,8 +142,8 @@ class TurboQuant(KVMethod):
             return []
         variants = VARIANTS if self.k_variant is None else (self.k_variant,)
         splits = (False, True) if self.split is None else (bool(self.split),)
-        points = admissible_knobs(shape, float(bpd_k), None if bpd_v is None else float(bpd_v), self.regime,
-                                  variants, splits)
+        tv = None if bpd_v is None or self.v_bits is not None else float(bpd_v)  # v_bits: a plain row
+        points = admissible_knobs(shape, float(bpd_k), tv, self.regime, variants, splits)
         return knob_order(points, lambda o: (o["plan"] == "paper", o["split"], o["k_variant"] == "mse"), limit)
 
     def calibrate(self, stats, seed=0):
