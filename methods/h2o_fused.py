@@ -36,7 +36,14 @@ Decisions where METHODS.md is silent:
   where Triton or a CUDA device is missing, unless Triton's interpreter is active); ``off`` always
   runs the torch loop.
 * A row's block of g x c logits is one register tile (g and c rounded up to powers of two): up to
-  :data:`MAX_TILE` elements (16k keys at g <= 4); larger blocks run the torch loop.
+  :data:`MAX_TILE` elements (16k keys at g <= 4); larger blocks run the torch loop. One warp per
+  1024 elements (4 to 32): ptxas for sm_90 fits float32 tiles up to 4 x 2048 (SmolLM2's g = 3 over
+  a 2048-token window) in registers at 8 warps; larger tiles spill (4 x 16384 at 32 warps: 1.9 KB a
+  thread), still correct.
+* No FMA contraction (``enable_fp_fusion=False``): the mask add, shift, exp, sum and divide are
+  rounded one by one as in torch's softmax. ``tl.exp`` of float32 is an ``ex2.approx`` on NVIDIA
+  GPUs (a few ulp), so float32 agrees with torch's CUDA softmax to rounding, not bit for bit;
+  float64 goes through libdevice.
 """
 
 from __future__ import annotations
@@ -157,7 +164,8 @@ def evict_block(blk: torch.Tensor, live: torch.Tensor, pos: torch.Tensor, n_evic
         blk.stride(0), blk.stride(1), blk.stride(2),
         live.stride(0), live.stride(1),
         pos.stride(0), pos.stride(1),
-        G=small, C=big, num_warps=4 if small * big <= 4096 else 8,
+        G=small, C=big, num_warps=min(32, max(4, small * big // 1024)),
+        enable_fp_fusion=False,  # every op rounded by itself, as torch's elementwise ops
     )
 
 
