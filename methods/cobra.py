@@ -43,6 +43,12 @@ from .latent_codec import (
     value_plan,
 )
 
+#: the seed's allocation knobs (§5.3, §5.4): C2's damping eta, the least bits per kept coordinate
+#: b_min and the rank step of C1's grid
+PAPER_KNOBS = {"eta": 0.3, "b_min": 2, "rank_step": 2}
+#: what the held-out knob search tries for each (docs/methods.md §5.12), the seed's value first
+KNOB_GRID = {"eta": (0.3, 0.1, 0.6), "b_min": (2, 1, 3), "rank_step": (2, 1, 4)}
+
 C2_MODES = {True: "seed", False: "uniform", "seed": "seed", "uniform": "uniform", "exact": "exact",
             "kkt": "kkt"}  # "kkt" = C2 with KKT slope equalization (§5.11c)
 
@@ -161,11 +167,11 @@ class Cobra(KVMethod):
     first_fp16: bool = False
     clip_scale: float = 1.0
     quantize: bool = True
-    eta: float = 0.3
+    eta: float | None = None
     c2_iters: int = 5
-    b_min: int = 2
+    b_min: int | None = None
     b_max: int = 8
-    rank_step: int = 2
+    rank_step: int | None = None
 
     def __post_init__(self):
         choices = {
@@ -181,6 +187,13 @@ class Cobra(KVMethod):
             raise ValueError(f"{self.name}: c2={self.c2!r} must be true, false, 'exact' or 'kkt'")
         if not self.b_max <= 8:
             raise ValueError("b_max must be <= 8 (bit packing)")
+        for key in ("b_min", "rank_step"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+                raise ValueError(f"{self.name}: {key} must be a positive integer (or null), got {value!r}")
+        if self.eta is not None and not self.eta > 0:
+            raise ValueError(f"{self.name}: eta must be positive (or null), got {self.eta!r}")
+        self._alloc = self._resolve_alloc()
         self._shape: ModelShape | None = None
         self._total_bits: int | None = None
         self._v_bits: int | None = None
@@ -193,13 +206,62 @@ class Cobra(KVMethod):
 
     # ---- budget ---------------------------------------------------------------------------------
 
+    def _explicit(self) -> list[str]:
+        return [f"{k}={getattr(self, k)}" for k in PAPER_KNOBS if getattr(self, k) is not None]
+
+    def _resolve_alloc(self) -> dict:
+        """eta, b_min, rank_step in force: the explicit options, else the knob search's choice
+        (``use_knobs``), else the seed's (:data:`PAPER_KNOBS`)."""
+        chosen = self.chosen_knobs or {}
+        return {k: (getattr(self, k) if getattr(self, k) is not None else chosen.get(k, v))
+                for k, v in PAPER_KNOBS.items()}
+
+    def searches(self) -> tuple[str, ...]:
+        """``"knobs"``: eta, b_min and the rank step are chosen on held-out text (docs/methods.md
+        §5.12) unless one of them is given."""
+        return () if self._explicit() else ("knobs",)
+
+    def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
+        """The :data:`KNOB_GRID` points whose per-head budget range holds the target (the predicted
+        bpd_K is floor(bpd_K d N)/(d N), never over it; the value side is the same for all), the
+        seed's setting first, then the points one knob away from it, then two, then three (each
+        distance in grid order), so that a shorter list keeps the seed's neighbourhood; eta only
+        where C2 is the seed's (it moves nothing else)."""
+        if bpd_k is None or bpd_k == 16 or "knobs" not in self.searches():
+            return []
+        try:
+            value_plan(bpd_v, self.v_quant, self.v_group, shape.head_dim)
+        except Unsupported:
+            return []
+        etas = KNOB_GRID["eta"] if C2_MODES[self.c2] == "seed" else KNOB_GRID["eta"][:1]
+        points = [{"eta": e, "b_min": b, "rank_step": r}
+                  for e in etas for b in KNOB_GRID["b_min"] for r in KNOB_GRID["rank_step"]]
+        n, d = shape.n_heads_total, shape.head_dim
+        total = int(math.floor(float(bpd_k) * d * n + 1e-9))
+
+        def fits(p):
+            lo, hi = budget_range(d, p["b_min"], self.b_max, p["rank_step"])
+            return p["b_min"] <= self.b_max and n * lo <= total <= n * hi
+
+        def away(p):
+            return sum(p[k] != PAPER_KNOBS[k] for k in PAPER_KNOBS)
+
+        out = sorted((p for p in points if fits(p)), key=away)  # stable: grid order within a distance
+        return out if limit is None else out[:limit]
+
+    def use_knobs(self, knobs):
+        super().use_knobs(knobs)
+        self._alloc = self._resolve_alloc()
+
     def configure(self, shape, bpd_k, bpd_v):
         self._shape = shape
+        self._alloc = self._resolve_alloc()
+        a = self._alloc
         n, d = shape.n_heads_total, shape.head_dim
         if bpd_k is None or bpd_k == 16:
             self._total_bits = None
         else:
-            lo, hi = budget_range(d, self.b_min, self.b_max, self.rank_step)
+            lo, hi = budget_range(d, a["b_min"], self.b_max, a["rank_step"])
             total = int(math.floor(float(bpd_k) * d * n + 1e-9))
             if not n * lo <= total <= n * hi:
                 raise Unsupported(
@@ -209,6 +271,9 @@ class Cobra(KVMethod):
             self._total_bits = total
         self._v_bits, self._v_nominal = value_plan(bpd_v, self.v_quant, self.v_group, d)
         self._knobs = {"target_bpd_k": bpd_k, "target_bpd_v": bpd_v, "total_bits": self._total_bits}
+        if self.chosen_knobs is not None:  # a knob search's candidate, or its choice
+            self._knobs.update(a, fit={"chosen_by": "held-out knob search"}, predicted={
+                "bpd_k": 16.0 if self._total_bits is None else self._total_bits / (n * d), "bpd_v": self._v_nominal})
 
     # ---- calibration ----------------------------------------------------------------------------
 
@@ -219,7 +284,8 @@ class Cobra(KVMethod):
 
     def allocate(self, w: torch.Tensor, qsum: torch.Tensor) -> torch.Tensor:
         """Per-head integer budgets for weights w [N, d] (C2 / uniform / exact)."""
-        kw = dict(b_min=self.b_min, b_max=self.b_max, rank_step=self.rank_step, q_model=self.q_model, qsum=qsum)
+        a = self._alloc
+        kw = dict(b_min=a["b_min"], b_max=self.b_max, rank_step=a["rank_step"], q_model=self.q_model, qsum=qsum)
         mode = C2_MODES[self.c2]
         if mode == "uniform":
             return uniform_allocate(w.shape[0], self._total_bits)
@@ -227,7 +293,7 @@ class Cobra(KVMethod):
             return exact_allocate(w, self._total_bits, **kw)
         if mode == "kkt":  # §5.11c
             return kkt_allocate(w, self._total_bits, **kw)
-        return c2_allocate(w, self._total_bits, eta=self.eta, iters=self.c2_iters, **kw)
+        return c2_allocate(w, self._total_bits, eta=a["eta"], iters=self.c2_iters, **kw)
 
     def calibrate(self, stats, seed=0):
         if self._shape is None:
@@ -254,7 +320,7 @@ class Cobra(KVMethod):
         budgets = self.allocate(w, qsum)
         rank, mean_bits, dist = c1_batch(
             tail, qsum, budgets.to(torch.float64),
-            b_min=self.b_min, b_max=self.b_max, rank_step=self.rank_step, q_model=self.q_model,
+            b_min=self._alloc["b_min"], b_max=self.b_max, rank_step=self._alloc["rank_step"], q_model=self.q_model,
         )
         alloc_ms = 1e3 * (time.perf_counter() - t0)
         self._budgets, self._ranks = budgets, rank

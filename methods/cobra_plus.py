@@ -179,6 +179,9 @@ class CobraPlus(Cobra):
     step: str = "gauss"
     q_stat: str = "rope_avg"
     clip_scale: float = 2.0
+    eta: float = 0.3  # the seed's allocation knobs, fixed: the selection chooses the switches
+    b_min: int = 2
+    rank_step: int = 2
     sensitivity: bool = False
     sensitivity_windows: int = 2
     sensitivity_seqlen: int = 512
