@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from .base import KVMethod, ModelShape, Unsupported
+from .budget import AT_TARGET, EPS, under_ceiling
 from .cobra import key_moments, key_spectra
 from .cobra_alloc import Q_MODELS, prefix_terms
 from .codec_state import CodecLayerState, ExactCodec, codecs_static_bytes
@@ -64,14 +65,31 @@ def kq_factors(key_gram: torch.Tensor, query_gram: torch.Tensor, rank: int):
     return a, b, s, torch.maximum(ridge_k, ridge_q)
 
 
+BITS = tuple(range(2, 9))  # b of §4.3
+
+
 def candidates(target: float, d: int) -> list[tuple[int, int]]:
     """(r, b) with r * b = target * d, r even in [2, d], b in 2..8 (§4.3), r ascending."""
     out = []
-    for b in range(2, 9):
+    for b in BITS:
         r = target * d / b
         if abs(r - round(r)) < 1e-9 and round(r) % 2 == 0 and 2 <= round(r) <= d:
             out.append((int(round(r)), b))
     return sorted(out)
+
+
+def admissible(target: float, d: int) -> list[tuple[int, int]]:
+    """The knob search's (r, b) (docs/methods.md §4.3, §0.1): for each b in 2..8 the largest even
+    r <= d with r b <= 1.02 target d (:func:`methods.budget.under_ceiling`); the §4.3 pairs
+    (r b = target d exactly, among which the proxy chooses) first in r ascending (the proxy's tie
+    order), then the others, the most bits per token r b first (the least under the target)."""
+    exact = candidates(target, d)
+    rest = []
+    for b in BITS:
+        r = min(d, int((1 + AT_TARGET) * target * d / b + EPS)) // 2 * 2
+        if r >= 2 and (r, b) not in exact and under_ceiling(r * b / d, target):
+            rest.append((r, b))
+    return exact + sorted(rest, key=lambda rb: (-rb[0] * rb[1], rb[0]))
 
 
 @dataclass
@@ -125,10 +143,16 @@ class KQSVD(KVMethod):
     quantize: bool = True
     step: str = "calibrated"
     first_fp16: bool = False
+    rank: int | None = None
+    bits: int | None = None
 
     def __post_init__(self):
         if self.q_model not in Q_MODELS or self.proxy not in ("eig", "kq"):
             raise ValueError(f"kqsvd: q_model in {tuple(Q_MODELS)}, proxy in ('eig', 'kq')")
+        if (self.rank is None) != (self.bits is None):
+            raise ValueError(f"kqsvd: give rank and bits together (or neither), got {self.rank}, {self.bits}")
+        if self.rank is not None and not (self.rank == int(self.rank) and self.rank >= 1 and self.bits in BITS):
+            raise ValueError(f"kqsvd: rank must be a positive integer and bits in {BITS}, got {self.rank}, {self.bits}")
         check_step("kqsvd", self.step)
         self._shape: ModelShape | None = None
         self._cands: list | None = None
@@ -139,17 +163,49 @@ class KQSVD(KVMethod):
         self._v_codecs: list | None = None
         self._knobs: dict = {}
 
+    def searches(self) -> tuple[str, ...]:
+        """``"knobs"``: (r, b) chosen on held-out text among :func:`admissible` unless given."""
+        return () if self.rank is not None else ("knobs",)
+
+    def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
+        """:func:`admissible` as ``{"rank", "bits"}``, the §4.3 pairs (the proxy's choice among
+        them: the harness baseline's setting) first; ``[]`` with keys exact or values out of reach."""
+        if bpd_k is None or bpd_k == 16 or "knobs" not in self.searches():
+            return []
+        try:
+            value_plan(bpd_v, self.v_quant, self.v_group, shape.head_dim)
+        except Unsupported:
+            return []
+        out = [{"rank": r, "bits": b} for r, b in admissible(float(bpd_k), shape.head_dim)]
+        return out if limit is None else out[:limit]
+
     def configure(self, shape, bpd_k, bpd_v):
         self._shape = shape
         d = shape.head_dim
-        if bpd_k is None or bpd_k == 16:
+        chosen = self.chosen_knobs
+        if self.rank is not None:  # explicit: run as set, reported at its bpd
+            if not (self.rank <= d and self.rank * self.bits <= 8 * d):
+                raise ValueError(f"kqsvd: rank {self.rank} must be <= head_dim {d}")
+            self._cands = [(int(self.rank), int(self.bits))]
+        elif bpd_k is None or bpd_k == 16:
             self._cands = None
+        elif chosen is not None:
+            rb = (int(chosen["rank"]), int(chosen["bits"]))
+            if rb not in admissible(float(bpd_k), d):
+                raise Unsupported(f"kqsvd: knobs {chosen} are not admissible at bpd={bpd_k:g} (r b <= "
+                                  f"{1 + AT_TARGET:g} x {bpd_k:g} x {d}, r even, b in 2..8)")
+            self._cands = [rb]
         else:
             self._cands = candidates(float(bpd_k), d)
             if not self._cands:
                 raise Unsupported(f"kqsvd: no (r even <= {d}, b in 2..8) with r*b = {bpd_k}*{d}")
         self._v_bits, self._v_nominal = value_plan(bpd_v, self.v_quant, self.v_group, d)
         self._knobs = {"target_bpd_k": bpd_k, "target_bpd_v": bpd_v, "candidates": self._cands}
+        if self._cands is not None and (chosen is not None or self.rank is not None):
+            r, b = self._cands[0]
+            self._knobs.update(
+                fit={"chosen_by": "explicit" if self.rank is not None else "held-out knob search"},
+                predicted={"bpd_k": r * b / d, "bpd_v": self._v_nominal})
 
     def calibration_sample_tokens(self) -> int:
         """Calibration tokens per head whose keys/values :meth:`calibrate` wants (§1.1b), 0 if none

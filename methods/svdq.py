@@ -68,7 +68,7 @@ from .attention import causal_attention
 from .base import KVMethod, LayerState, Rope, Unsupported, apply_rope, held_bits, query_positions
 from .blocked_attention import SDPA_MIN_QUERIES, blocked_attention, mixed_attention
 from .bookkeeping import decode_ops, host_ops, one_read
-from .budget import AT_TARGET, describe, grid_choice, under_ceiling
+from .budget import AT_TARGET, describe, grid_choice, spread, under_ceiling
 from .buffers import CallStore, Growing, RopeLog, SideStore, log_rope, row_elements
 from .groupquant import GroupPacked, dequantize_groups, fp16_scale_min, quantize_dequantize_groups
 from .packing import pack_bits
@@ -527,7 +527,55 @@ class SVDq(KVMethod):
         self._maybe_resolve()
 
     def _groups(self) -> tuple[int, ...]:
-        return (int(self.group),) if self.group is not None else GROUP_GRID
+        if self.group is not None:
+            return (int(self.group),)
+        chosen = self.chosen_knobs
+        return (int(chosen["group"]),) if chosen else GROUP_GRID
+
+    def _totals(self) -> range | tuple[int, ...]:
+        """Schedule sizes S the measured fit tries: 1..64, or the knob search's candidate's."""
+        chosen = self.chosen_knobs
+        if chosen and chosen.get("total_bits") is not None:
+            return (int(chosen["total_bits"]),)
+        return range(1, 8 * N_GROUPS + 1)
+
+    def searches(self) -> tuple[str, ...]:
+        """``"knobs"``: the measured fit's G_t (and the paper's schedule) chosen on held-out text
+        unless ``schedule`` or ``group`` is given (docs/methods.md §3.3)."""
+        explicit = self.schedule is not None or self.group is not None
+        return ("knobs",) if self.budget == "measured" and not explicit else ()
+
+    def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
+        """The knob search's points (docs/methods.md §3.3): the paper's schedule at G_t = 128 first
+        when admissible, then one point per G_t of :data:`GROUP_GRID` whose cheapest schedule
+        (one bit in one latent group) is under the ceiling, ``total_bits=None``: the fit then
+        gives that G_t the most schedule bits under the ceiling (the greedy schedule, known after
+        calibration, so admissible by construction). Ordered by the schedule bits an upper bound
+        of the cost allows (S/8 + min(S, 8)/8 32/G_t), the most first (:func:`methods.budget.spread`)."""
+        if bpd_k is None or "knobs" not in self.searches() or shape.head_dim % N_GROUPS:
+            return []
+        if bpd_v is not None or self.v_bits is not None:
+            try:
+                grid_choice(bpd_v, bits=self.v_bits, group=self.v_group, max_group=shape.head_dim,
+                            divides=shape.head_dim, side="v_bpd", method="svdq")
+            except Unsupported:
+                return []
+        d, kind, target = shape.head_dim, self._basis_kind(), float(bpd_k)
+
+        def worst(s, g):  # every bit in its own latent group: the most metadata S bits can cost
+            sched = tuple(1 + (s - 1 - j) // N_GROUPS if j < s else 0 for j in range(N_GROUPS))
+            return predicted_bpd(sched, g, d, self.regime, kind)
+
+        bound = {}  # G_t -> the most schedule bits the upper bound admits (0: only fewer than 1 fit)
+        for g in GROUP_GRID:
+            if under_ceiling(predicted_bpd((1,) + (0,) * (N_GROUPS - 1), g, d, self.regime, kind), target):
+                bound[g] = max((s for s in range(1, 8 * N_GROUPS + 1) if under_ceiling(worst(s, g), target)),
+                               default=0)
+        paper = {"group": DEFAULT_GROUP, "total_bits": 16}
+        if not under_ceiling(predicted_bpd(PAPER_SCHEDULE, DEFAULT_GROUP, d, self.regime, kind), target):
+            paper = None
+        points = [{"group": g, "total_bits": None} for g in bound]
+        return spread(points, lambda p: (bound[p["group"]], p["group"]), limit, first=paper)
 
     def _basis_kind(self) -> str:
         """The basis the fitted regime will use: ``auto`` is the prefill basis in prefill-exact
@@ -551,7 +599,7 @@ class SVDq(KVMethod):
         least expected key distortion (fraction of reads quantized x relative MSE of the
         schedule). Sets the group size; Unsupported when none fits."""
         best, band = None, AT_TARGET * self._target
-        for s in range(1, 8 * N_GROUPS + 1):
+        for s in self._totals():
             sched = PAPER_SCHEDULE if s == 16 else greedy_schedule(s, group_var, d)
             for g in self._groups():
                 pred = predicted_bpd(sched, g, d, self.regime, self._basis_kind())
@@ -566,6 +614,8 @@ class SVDq(KVMethod):
         _, sched, self._group, pred = best
         self._fit = {"regime": dataclasses.asdict(self.regime), "basis": self._basis_kind(),
                      "predicted_bpd_k": pred}
+        if self.chosen_knobs is not None:
+            self._fit["chosen_by"] = "held-out knob search"
         return sched
 
     def _resolve_schedule(self, group_var, d):
@@ -661,7 +711,16 @@ class SVDq(KVMethod):
             "fit": getattr(self, "_fit", None),
             "v_bits": vb,
             "v_group": vg,
+            **self._predicted(vb, vg),
         }
+
+    def _predicted(self, vb, vg) -> dict:
+        """``{"predicted": {bpd_k, bpd_v}}`` of a knob search's candidate (the fit's prediction),
+        else ``{}``."""
+        fit = getattr(self, "_fit", None)
+        if self.chosen_knobs is None or not fit:
+            return {}
+        return {"predicted": {"bpd_k": fit["predicted_bpd_k"], "bpd_v": 16.0 if vb is None else vb + 32.0 / vg}}
 
     def nominal_bpd(self, n_tokens):
         t = n_tokens

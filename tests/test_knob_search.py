@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from conftest import REPO, save_tiny_checkpoint
@@ -15,22 +16,43 @@ from kvbench.fit import knob_search as KS
 from kvbench.fit.statistics import CalibrationSpec
 from kvbench.job import run_job
 from methods import Regime, Unsupported, build_method
-from methods.base import ModelShape
+from methods.base import LayerStats, ModelShape
+from methods.cobra import KNOB_GRID, PAPER_KNOBS
+from methods.kqsvd import candidates as kqsvd_pairs
+from methods.svdq import PAPER_SCHEDULE
 
 SHAPE = ModelShape(1, 2, 1, 64)
 QALL = Regime("qall", 2048)
 
 
-def _ctx(regime=QALL, seed=0):
+def _stats(shape=SHAPE, seed=0):
+    """Random float64 moments with a decaying key spectrum, one LayerStats per layer."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, out = shape.n_kv_heads, shape.head_dim, []
+    for _ in range(shape.n_layers):
+        spd = []
+        for _ in range(3):
+            x = torch.randn(h, d, d, generator=g, dtype=torch.float64)
+            x = x * torch.exp(-torch.arange(d, dtype=torch.float64) / (d / 6))
+            spd.append(x @ x.transpose(-1, -2) / d + 1e-3 * torch.eye(d, dtype=torch.float64))
+        mu = torch.randn(h, d, generator=g, dtype=torch.float64)
+        out.append(LayerStats(mu, spd[0], mu.clone(), spd[1], spd[2], 4096))
+    return out
+
+
+def _ctx(regime=QALL, seed=0, stats=None):
     spec = CalibrationSpec(dataset="ptb", split="train", n_windows=2, seqlen=64, seed=0)
-    return SimpleNamespace(shape=SHAPE, regime=regime, stats=None, seed=seed, spec=spec, model_id="tiny")
+    return SimpleNamespace(shape=SHAPE, regime=regime, stats=stats, seed=seed, spec=spec, model_id="tiny")
 
 
-@pytest.mark.parametrize("name,bpd,v_bpd", [("kivi", 4.0, None), ("kivi", 5.0, 5.0), ("gear", 6.0, None)])
+@pytest.mark.parametrize("name,bpd,v_bpd", [
+    ("kivi", 4.0, None), ("kivi", 5.0, 5.0), ("gear", 6.0, None), ("svdq", 2.0, None), ("kqsvd", 1.0, None),
+    ("kqsvd", 0.5, 4.0), ("cobra_kl", 1.0, None), ("cobra_mse", 0.5, 2.0)])
 def test_search_takes_the_lowest_heldout_ppl_among_the_candidates(name, bpd, v_bpd):
     """A stub scorer gives each candidate a known perplexity: the search takes the lowest, records
-    every candidate's score and prediction, and a tie goes to the earlier candidate."""
-    ctx = _ctx()
+    every candidate's score and prediction, and a tie goes to the earlier candidate. Every
+    candidate configures and calibrates (it is admissible) under the ceiling."""
+    ctx = _ctx(stats=_stats())
     method = build_method(name)
     method.set_regime(ctx.regime)
     cands = KS.candidates(ctx, method, bpd, v_bpd)
@@ -45,7 +67,7 @@ def test_search_takes_the_lowest_heldout_ppl_among_the_candidates(name, bpd, v_b
     assert out["knobs"] == cands[want] and out["ppl"] == 10.0
     assert [c["knobs"] for c in out["candidates"]] == cands
     assert [c["ppl"] for c in out["candidates"]] == [10.0 + abs(i - want) for i in range(len(cands))]
-    assert all(c["predicted_bpd_k"] <= 1.02 * bpd for c in out["candidates"])
+    assert all("unsupported" not in c and c["predicted_bpd_k"] <= 1.02 * bpd for c in out["candidates"])
     tie = KS.search(ctx, name, {}, bpd, v_bpd, cands, lambda m: 1.0)
     assert tie["knobs"] == cands[0]
 
@@ -113,3 +135,113 @@ def test_a_job_runs_the_search_and_records_it(tmp_path, tiny_checkpoint, monkeyp
     assert r["bpd"]["measured_k"] <= 1.02 * bpd
     again = _job(tmp_path / "b", tiny_checkpoint, f"method={method}", f"bpd={bpd}")
     assert again["knob_search"]["cache_hit"] is True and again["knob_search"]["knobs"] == ks["knobs"]
+
+
+# ---- SVDq, KQ-SVD, KV-COBRA: their grids (docs/methods.md §3.3, §4.3, §5.12) -----------------
+
+@pytest.mark.parametrize("name", ["cobra_kl", "cobra_mse"])
+def test_cobra_searches_eta_b_min_and_the_rank_step_from_the_seeds_setting(name):
+    m = build_method(name)
+    m.set_regime(QALL)
+    cands = m.knob_candidates(SHAPE, 1.0, None, KS.N_CANDIDATES)
+    assert len(cands) == 27 and cands[0] == PAPER_KNOBS
+    assert {tuple(c.values()) for c in cands} == {(e, b, r) for e in KNOB_GRID["eta"] for b in KNOB_GRID["b_min"]
+                                                   for r in KNOB_GRID["rank_step"]}
+    away = [sum(c[k] != PAPER_KNOBS[k] for k in PAPER_KNOBS) for c in cands]
+    assert away == sorted(away) and away[1:7] == [1] * 6
+    # eta moves nothing without the seed's C2: only the b_min x rank_step grid
+    assert len(build_method(name, c2="exact").knob_candidates(SHAPE, 1.0, None)) == 9
+    # a grid point whose per-head range misses the budget is not a candidate (4 bits per head)
+    low = m.knob_candidates(SHAPE, 4 / 64, None)
+    assert low and all(c["b_min"] * c["rank_step"] <= 4 for c in low)
+    # explicit knobs: no search, the given value in force
+    fixed = build_method(name, b_min=3)
+    assert fixed.searches() == () and fixed.knob_candidates(SHAPE, 1.0, None) == []
+
+
+def test_cobra_use_knobs_changes_the_allocation():
+    stats = _stats()
+    out = {}
+    for knobs in (None, {"eta": 0.3, "b_min": 3, "rank_step": 4}):
+        m = build_method("cobra_kl")
+        m.use_knobs(knobs)
+        m.configure(SHAPE, 1.0, None)
+        m.calibrate(stats)
+        out[str(knobs)] = m.knobs()
+    chosen = out[str({"eta": 0.3, "b_min": 3, "rank_step": 4})]
+    assert chosen["b_min"] == 3 and chosen["rank_step"] == 4 and chosen["fit"]["chosen_by"] == "held-out knob search"
+    assert all(r % 4 == 0 for r in chosen["ranks"]) and chosen["predicted"]["bpd_k"] <= 1.0
+    assert "b_min" not in out["None"]  # no search: the seed's setting, knobs as before
+    assert chosen["ranks"] != out["None"]["ranks"]
+
+
+def test_kqsvd_candidates_start_with_the_proxy_set_and_use_knobs_fixes_r_b():
+    m = build_method("kqsvd")
+    m.set_regime(QALL)
+    cands = m.knob_candidates(SHAPE, 1.0, None, KS.N_CANDIDATES)
+    pairs = [(c["rank"], c["bits"]) for c in cands]
+    exact = kqsvd_pairs(1.0, 64)
+    assert pairs[:len(exact)] == exact == [(8, 8), (16, 4), (32, 2)]  # the proxy chooses among these
+    assert sorted(b for _, b in pairs) == list(range(2, 9))  # one point per bit width
+    assert all(r % 2 == 0 and r * b <= 1.02 * 64 for r, b in pairs)
+    stats = _stats()
+    m.use_knobs({"rank": 20, "bits": 3})
+    m.configure(SHAPE, 1.0, None)
+    m.calibrate(stats)
+    k = m.knobs()
+    assert (k["rank"], k["bits"]) == (20, 3) and k["predicted"]["bpd_k"] == 60 / 64
+    m.use_knobs({"rank": 34, "bits": 2})  # 1.0625 x the target
+    with pytest.raises(Unsupported, match="not admissible"):
+        m.configure(SHAPE, 1.0, None)
+    fixed = build_method("kqsvd", rank=16, bits=4)
+    assert fixed.searches() == () and fixed.knob_candidates(SHAPE, 1.0, None) == []
+    fixed.configure(SHAPE, 1.0, None)
+    fixed.calibrate(stats)
+    assert (fixed.knobs()["rank"], fixed.knobs()["bits"]) == (16, 4)
+
+
+def test_svdq_candidates_one_per_group_size_the_paper_schedule_first():
+    m = build_method("svdq")
+    m.set_regime(Regime("prefill", 1536, 511))
+    cands = m.knob_candidates(SHAPE, 4.0, None, KS.N_CANDIDATES)
+    assert cands[0] == {"group": 128, "total_bits": 16}
+    assert sorted(c["group"] for c in cands[1:]) == [8, 16, 24, 32, 48, 64, 96, 128]
+    q = build_method("svdq")
+    q.set_regime(QALL)
+    assert q.knob_candidates(SHAPE, 0.5, None) == []  # below the reach: configure says why
+    stats = _stats()
+    for knobs, sched in (({"group": 16, "total_bits": None}, None), ({"group": 128, "total_bits": 16}, PAPER_SCHEDULE)):
+        m = build_method("svdq")
+        m.set_regime(Regime("prefill", 1536, 511))
+        m.use_knobs(knobs)
+        m.configure(SHAPE, 4.0, None)
+        m.calibrate(stats)
+        k = m.knobs()
+        assert k["group_tokens"] == knobs["group"] and k["fit"]["chosen_by"] == "held-out knob search"
+        assert k["predicted"]["bpd_k"] <= 1.02 * 4.0
+        if sched:
+            assert tuple(k["schedule"]) == sched
+    assert build_method("svdq", group=16).searches() == () and build_method("svdq", budget="mean").searches() == ()
+
+
+@pytest.mark.parametrize("method,bpd", [("cobra_kl", 1), ("kqsvd", 2), ("svdq", 8)])
+def test_a_job_searches_the_knobs_of_the_latent_codecs(tmp_path, tiny_checkpoint, monkeypatch, method, bpd):
+    """SVDq, KQ-SVD and KV-COBRA jobs search their knobs (the tiny model: d = 16), record every
+    candidate's held-out perplexity and run the choice under the ceiling; explicit knobs: no search."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    r = _job(tmp_path / "a", tiny_checkpoint, f"method={method}", f"bpd={bpd}")
+    assert r["status"] == "ok", r.get("error")
+    ks = r["knob_search"]
+    assert len(ks["candidates"]) == min(27, ks["admissible"]) and all(c["ppl"] is not None for c in ks["candidates"])
+    assert ks["ppl"] == min(c["ppl"] for c in ks["candidates"])
+    assert r["knobs"]["fit"]["chosen_by"] == "held-out knob search"
+    assert r["bpd"]["measured_k"] <= 1.02 * bpd
+    if method == "svdq":
+        assert r["knobs"]["group_tokens"] == ks["knobs"]["group"]
+    else:
+        assert {k: r["knobs"][k] for k in ks["knobs"]} == ks["knobs"]
+    explicit = {"cobra_kl": "method.eta=0.3", "kqsvd": "method.rank=16", "svdq": "method.group=16"}[method]
+    fixed = _job(tmp_path / "b", tiny_checkpoint, f"method={method}", f"bpd={bpd}", explicit,
+                 *(["method.bits=8"] if method == "kqsvd" else []))
+    assert fixed["status"] == "ok", fixed.get("error")
+    assert "knob_search" not in fixed
