@@ -122,6 +122,11 @@ class Cobra(KVMethod):
 
     Decisions where docs/methods.md is silent:
 
+    * ``eta``, ``b_min``, ``rank_step`` (docs/methods.md §5.12): null = chosen by the job's held-out
+      knob search (``searches()``, :meth:`knob_candidates`, kvbench/fit/knob_search.py) over
+      :data:`KNOB_GRID`, the seed's (0.3, 2, 2) first; without a search, or for the ones not
+      given when one is, the seed's values. ``knobs()`` carries them, ``fit`` and ``predicted``
+      only for a searched configuration.
     * B_tot = floor(bpd_K d N) (never above the target); targets with B_tot outside
       [N B_min, N B_max] = [4N, 8dN] are Unsupported (no head then needs the r = 0 path, which is
       kept for completeness: key = mu_K, 0 bits). ``bpd=None`` or 16 keeps keys exact.

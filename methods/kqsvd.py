@@ -110,6 +110,10 @@ class KQSVD(KVMethod):
 
     Decisions where docs/methods.md is silent:
 
+    * Knob search (docs/methods.md §4.3): with neither ``rank`` nor ``bits`` given, a job scores
+      :func:`admissible` (the largest even r per b with r b <= 1.02 bpd_K d, the §4.3 pairs first)
+      on held-out windows and runs its choice (``use_knobs``); without a search the proxy chooses
+      among the §4.3 pairs as above. ``rank`` and ``bits`` together run as set.
     * Ridge: a Gram matrix that fails Cholesky gets eps * mean(diag) * I, eps = 1e-12, 1e-11, ...
       (logged per run as the largest relative ridge).
     * Latent variance: diag(A^T Sigma_K A) = 1/n exactly without ridge (R_K A = U_r, so the latents

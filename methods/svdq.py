@@ -37,6 +37,10 @@ Decisions where docs/methods.md is silent (or inconsistent):
   metadata, basis and buffer shares come on top (2.16 + buffer in calib mode), G_t = 128.
   ``"total"``: the largest S whose asymptotic S/8 + (n_act/d) 32/G_t is <= target (buffer and
   basis shares not mapped), G_t = 128.
+* **Knob search** (docs/methods.md §3.3; ``budget="measured"``, no ``schedule`` or ``group``): a job
+  scores :meth:`SVDq.knob_candidates` on held-out windows: the paper schedule at G_t = 128 first
+  when admissible, then one candidate per G_t whose schedule is the most bits under the ceiling
+  (``total_bits=None``); ``use_knobs`` restricts the fit above to that G_t (and S).
 * Basis ``"auto"`` (default, §3.1): the prefill basis after an exact prefill (prefill-exact
   regimes; counted in bpd), the calibration basis in Q-all, decided by each layer state's first
   call; ``"calib"`` / ``"prefill"`` force one.
