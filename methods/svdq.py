@@ -500,7 +500,7 @@ class SVDq(KVMethod):
         elif self.budget == "measured":
             lo = min(predicted_bpd((1,) + (0,) * (N_GROUPS - 1), g, d, self.regime, self._basis_kind())
                      for g in self._groups())
-            if bpd_k < lo - _EPS:
+            if not under_ceiling(lo, bpd_k):  # the ceiling of docs/methods.md §0.1
                 raise Unsupported(self._unreachable(bpd_k, d))
         elif self.budget == "mean":
             s = math.floor(8 * bpd_k + 0.5)

@@ -46,7 +46,7 @@ def _ctx(regime=QALL, seed=0, stats=None):
 
 
 @pytest.mark.parametrize("name,bpd,v_bpd", [
-    ("kivi", 4.0, None), ("kivi", 5.0, 5.0), ("gear", 6.0, None), ("svdq", 2.0, None), ("kqsvd", 1.0, None),
+    ("kivi", 4.0, None), ("kivi", 5.0, 5.0), ("gear", 6.0, None), ("svdq", 2.0, None), ("svdq", 1.0, None), ("kqsvd", 1.0, None),
     ("kqsvd", 0.5, 4.0), ("cobra_kl", 1.0, None), ("cobra_mse", 0.5, 2.0)])
 def test_search_takes_the_lowest_heldout_ppl_among_the_candidates(name, bpd, v_bpd):
     """A stub scorer gives each candidate a known perplexity: the search takes the lowest, records
