@@ -51,11 +51,12 @@ class JobContext:
     regime: Regime
     stats: list | None = None  # per-layer LayerStats; None for a method that needs none
     progress: Progress = no_progress  # where the steps report how far they are
+    batch: int | str = 1  # held-out windows per pass in the fit's searches: a number or "auto"
 
     @classmethod
     def of(cls, loaded: LoadedModel, name: str, spec, seed: int, regime: Regime,
-           progress: Progress = no_progress) -> "JobContext":
-        return cls(loaded, model_id(loaded, name), spec, seed, regime, progress=progress)
+           progress: Progress = no_progress, batch: int | str = 1) -> "JobContext":
+        return cls(loaded, model_id(loaded, name), spec, seed, regime, progress=progress, batch=batch)
 
     @property
     def model(self):

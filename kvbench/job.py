@@ -43,6 +43,7 @@ from .store.results import RESULT_FILE, has_nonfinite, new_result, read_result, 
 from .store.summary import print_summary
 from .store.tracking import Tracker, start_tracking
 from .tasks import check_tasks, run_tasks
+from .tasks.batch_size import batch_setting
 
 log = logging.getLogger("kvbench")
 
@@ -76,7 +77,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             result["bpd"].update(target_k=bud.target_k, target_v=bud.target_v)
         loaded, timings["load_s"] = load_once(job.model, job.device)
         progress("job", 1, load_s=timings["load_s"])
-        ctx = JobContext.of(loaded, job.model.name, spec, job.seed, job_regime(job), progress)
+        ctx = JobContext.of(loaded, job.model.name, spec, job.seed, job_regime(job), progress,
+                            batch=batch_setting(job, loaded.model))
         method = fit(job, method, ctx, bud, result, Path(out_dir))
         progress("job", 2, calibrate_s=timings["calibrate_s"], elapsed_s=time.perf_counter() - t_start)
         evaluate(job, ctx, method, result)

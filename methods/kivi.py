@@ -31,8 +31,8 @@ Decisions where docs/methods.md is silent:
   (the paper's LongBench R; its GSM8K example uses 32). R = 0 is not a KIVI setting: the official
   code takes P mod R, and per-channel key groups wait in full precision until they complete, which
   R = G already is. One R for keys and values, as in KIVI's code. ``joint_kv=True`` (the KV-track
-  rows): the pair whose *mean* is within the band of bpd_KV instead, the most balanced first
-  (:mod:`methods.joint_budget`). The predicted figure is the
+  rows): a pair is admissible when its *mean* is under the ceiling of bpd_KV instead, those within
+  2 % first, the most balanced first (:mod:`methods.joint_budget`). The predicted figure is the
   exact bit count (:func:`headline_bpd`, the §2.3 storage rule with codes + fp16 scale and minimum
   per group + 16 bits per full-precision element, what ``stored_bits`` measures). A grid point is
   **admissible** when it is at most 1.02 x the target (docs/methods.md §0.1; each side at its own
@@ -79,7 +79,7 @@ from .budget import (AT_TARGET, DEFAULT_BITS, DEFAULT_GROUP, GROUP_GRID, describ
                      over_ceiling, reach, scored_reads, side_unreachable, spread, under_ceiling, unreachable)
 from .buffers import Growing, SideStore, row_elements
 from .groupquant import quantize_dequantize_groups
-from .joint_budget import best_pair
+from .joint_budget import admissible_pairs
 
 DEFAULT_RESIDUAL = 128  # R of the paper's LongBench runs (docs/methods.md §2.2)
 
@@ -273,21 +273,27 @@ def _prefer(k, v, r) -> tuple:
     return (k[1], 0 if v is None else v[1], r, -k[2], 0 if v is None else -v[2])
 
 
-def fit_joint(target_k: float, target_v: float, head_dim: int, regime: Regime) -> dict:
-    """``joint_kv``: the (key point, value point) pair at one shared R whose mean measured bpd is
-    within :data:`AT_TARGET` of (target_k + target_v) / 2, the most balanced first
-    (:func:`methods.joint_budget.best_pair`), then :func:`_prefer`."""
+def joint_fits(target_k: float, target_v: float, head_dim: int, regime: Regime) -> list[dict]:
+    """``joint_kv``: every (key point, value point) pair at one shared R whose mean measured bpd is
+    under the ceiling of (target_k + target_v) / 2, in :func:`methods.joint_budget.admissible_pairs`
+    order (those within :data:`AT_TARGET` first, the most balanced first), then :func:`_prefer`."""
     pairs = [((k, r), (v, r)) for r in residual_grid()
              for k in side_points("k", regime, head_dim, r) for v in side_points("v", regime, head_dim, r)]
-    best = best_pair(pairs, lambda p: p[0][0], (target_k + target_v) / 2, AT_TARGET,
-                     lambda kp, vp: _prefer(kp[0], vp[0], kp[1]))
-    if best is None:
+    ranked = admissible_pairs(pairs, lambda p: p[0][0], (target_k + target_v) / 2, AT_TARGET,
+                              lambda kp, vp: _prefer(kp[0], vp[0], kp[1]))
+    return [{"bits": k[1], "group": k[2], "residual": r, "v_bits": v[1], "v_group": v[2],
+             "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]} for (k, r), (v, _) in ranked]
+
+
+def fit_joint(target_k: float, target_v: float, head_dim: int, regime: Regime, choice: dict | None = None) -> dict:
+    """The first of :func:`joint_fits`, or the one with the knobs ``choice`` (the held-out knob
+    search's); :class:`Unsupported` when no pair is admissible or ``choice`` is not one of them."""
+    fits = joint_fits(target_k, target_v, head_dim, regime)
+    if not fits:
         pts = [x[0] for r in residual_grid() for side in ("k", "v") for x in side_points(side, regime, head_dim, r)]
         raise Unsupported(no_joint_pair("kivi", (target_k + target_v) / 2, regime, " at one R")
                           + f" (each side reaches {reach(pts)})")
-    (k, r), (v, _) = best
-    return {"bits": k[1], "group": k[2], "residual": r, "v_bits": v[1], "v_group": v[2],
-            "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
+    return _chosen(fits, choice, target_k, target_v, regime)
 
 
 def admissible_fits(target_k: float, target_v: float | None, head_dim: int, regime: Regime) -> list[dict]:
@@ -331,6 +337,12 @@ def fit_knobs(target_k: float, target_v: float | None, head_dim: int, regime: Re
     fits = admissible_fits(target_k, target_v, head_dim, regime)
     if not fits:
         raise Unsupported(why_unreachable(target_k, target_v, head_dim, regime))
+    return _chosen(fits, choice, target_k, target_v, regime)
+
+
+def _chosen(fits: list[dict], choice: dict | None, target_k: float, target_v: float | None, regime: Regime) -> dict:
+    """The fit of ``fits`` with the knobs ``choice``, the first without one; Unsupported when
+    ``choice`` is not among them."""
     if choice is None:
         return fits[0]
     for fit in fits:
@@ -399,15 +411,14 @@ class Kivi(KVMethod):
         explicit = self._explicit()
         if self.budget == "measured" and bpd_k is not None and not explicit:
             if self.joint_kv and bpd_v is not None:
-                fit = fit_joint(float(bpd_k), float(bpd_v), d, self.regime)
+                fit = fit_joint(float(bpd_k), float(bpd_v), d, self.regime, self.chosen_knobs)
             else:
                 fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), d, self.regime,
                                 self.chosen_knobs)
             self._resolved = tuple(fit[k] for k in KNOB_OPTIONS)
             self._fit = {"regime": dataclasses.asdict(self.regime), "band": AT_TARGET,
                          "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
-            if not (self.joint_kv and bpd_v is not None):
-                self._fit["chosen_by"] = "held-out knob search" if self.chosen_knobs else "preference"
+            self._fit["chosen_by"] = "held-out knob search" if self.chosen_knobs else "preference"
             if self.joint_kv and bpd_v is not None:
                 self._fit["joint_kv"] = (float(bpd_k) + float(bpd_v)) / 2
             self._not_fitted = None
@@ -427,14 +438,18 @@ class Kivi(KVMethod):
         return ("knobs",) if self.budget == "measured" and not self._explicit() else ()
 
     def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
-        """The admissible grid points of the measured fit in the job's regime (side by side; none
-        for ``joint_kv`` with both targets): the paper's setting first when admissible, then one
-        point per key bit width (key and value widths in the KV-track) in turn, the most bits
-        first, each width's points in :func:`_prefer` order (:func:`methods.budget.spread`)."""
-        if bpd_k is None or "knobs" not in self.searches() or (self.joint_kv and bpd_v is not None):
+        """The admissible grid points of the measured fit in the job's regime (side by side, or the
+        pairs of :func:`joint_fits` for ``joint_kv`` with both targets): the paper's setting first
+        when admissible, then one point per key bit width (key and value widths in the KV-track) in
+        turn, the most bits first, each width's points in the fit's order
+        (:func:`methods.budget.spread`)."""
+        if bpd_k is None or "knobs" not in self.searches():
             return []
-        fits = admissible_fits(float(bpd_k), None if bpd_v is None else float(bpd_v), shape.head_dim,
-                               self.regime)
+        if self.joint_kv and bpd_v is not None:
+            fits = joint_fits(float(bpd_k), float(bpd_v), shape.head_dim, self.regime)
+        else:
+            fits = admissible_fits(float(bpd_k), None if bpd_v is None else float(bpd_v), shape.head_dim,
+                                   self.regime)
         options, paper = [knob_options(f) for f in fits], paper_knobs(bpd_v is not None)
         return spread(options, lambda o: (o["bits"], o["v_bits"] or 0), limit,
                       first=paper if paper in options else None)

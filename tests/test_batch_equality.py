@@ -239,3 +239,30 @@ def test_ruler_generation_in_batches_equals_one_by_one(smollm2):
     assert [r["prediction"] for r in three["records"]] == [r["prediction"] for r in one["records"]]
     assert [r.get("bpd_k") for r in three["records"]] == [r.get("bpd_k") for r in one["records"]]
     _same_readings(read_three, read_one)
+
+
+@pytest.mark.parametrize("case", ["kivi", "h2o", "cobra_kl"])
+def test_heldout_search_scores_batched_windows_as_one_by_one(model_and_stats, case):
+    """The fit's held-out scores (every search's perplexity) at 3 windows per pass equal those of
+    one window per pass, so a job's batch never changes what its searches choose."""
+    from types import SimpleNamespace
+
+    from kvbench.context import JobContext
+    from kvbench.fit.search import heldout_ppl, heldout_window_ppl
+
+    model, stats = model_and_stats
+    _, name, options, bpd, v_bpd = next(c for c in CASES if c[0] == case)
+    windows = torch.randint(0, 128, (5, 40), generator=torch.Generator().manual_seed(3))
+    scores = {}
+    for batch in (1, 3):
+        method = build_method(name, **options)
+        method.set_regime(Regime("qall", 40))
+        method.configure(model_shape(model), bpd, v_bpd)
+        if method.needs_calibration:
+            method.calibrate(stats, seed=0)
+        ctx = JobContext(SimpleNamespace(model=model, tokenizer=None), "tiny", None, 0, Regime("qall", 40),
+                         batch=batch)
+        scores[batch] = (heldout_ppl(ctx, method, windows), heldout_window_ppl(ctx, method, windows))
+    assert scores[3][0] == pytest.approx(scores[1][0], rel=1e-9)
+    assert scores[3][1] == pytest.approx(scores[1][1], rel=1e-9)
+    assert len(scores[1][1]) == 5

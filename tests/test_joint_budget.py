@@ -93,3 +93,28 @@ def test_gear_joint_matches_the_side_by_side_fit_where_it_exists_and_names_the_f
     assert b["fit"]["joint_kv"] == 4.0
     with pytest.raises(Unsupported, match="joint_kv"):
         _configured(Gear, SMOL, TRACK_B, 2.0, seed=0, joint_kv=True)
+
+
+def test_admissible_pairs_are_under_the_ceiling_near_ones_first_then_the_largest_mean():
+    from methods.joint_budget import admissible_pairs
+
+    pairs = [(k, v) for k in (1.0, 1.98, 3.0) for v in (1.0, 2.02, 3.0)]
+    ranked = admissible_pairs(pairs, float, 2.0, 0.02, lambda k, v: (k,))
+    assert ranked[0] == (1.98, 2.02)  # within 2%, the most balanced
+    assert all((k + v) / 2 <= 2.04 for k, v in ranked)
+    assert (3.0, 1.0) in ranked and (3.0, 3.0) not in ranked
+    means = [(k + v) / 2 for k, v in ranked[1:]]
+    assert means == sorted(means, reverse=True)  # the cheaper pairs, the largest mean first
+
+
+def test_kivi_joint_offers_its_admissible_pairs_to_the_knob_search():
+    m = Kivi(joint_kv=True)
+    m.set_regime(QALL)
+    cands = m.knob_candidates(SMOL, 4.0, 4.0, 27)
+    assert 1 < len(cands) <= 27 and m.searches() == ("knobs",)
+    for knobs in cands[:5]:
+        m.use_knobs(knobs)
+        m.configure(SMOL, 4.0, 4.0)
+        kn = m.knobs()
+        assert {k: kn[k] for k in knobs} == knobs
+        assert (kn["fit"]["predicted_bpd_k"] + kn["fit"]["predicted_bpd_v"]) / 2 <= 4.0 * 1.02 + 1e-9

@@ -93,7 +93,7 @@ def _job(tmp_path, checkpoint, *overrides):
     return json.loads((Path(tmp_path) / "result.json").read_text())
 
 
-@pytest.mark.parametrize("method,bpd", [("kivi", 8), ("gear", 8)])
+@pytest.mark.parametrize("method,bpd", [("kivi", 8), ("gear", 8), ("turboquant", 2.5)])
 def test_a_job_runs_the_search_and_records_it(tmp_path, tiny_checkpoint, monkeypatch, method, bpd):
     """A whole job: the knobs are the candidate with the lowest held-out perplexity, every candidate
     and its score are in result.json, the measured bpd is under the ceiling; a second job reads the
@@ -106,7 +106,7 @@ def test_a_job_runs_the_search_and_records_it(tmp_path, tiny_checkpoint, monkeyp
     assert 1 < len(ks["candidates"]) <= 27 and len(ks["candidates"]) == min(27, ks["admissible"])
     assert ks["ppl"] == min(c["ppl"] for c in scored) and ks["heldout_windows"] == [8, 128]
     assert r["knobs"]["fit"]["chosen_by"] == "held-out knob search"
-    if method == "kivi":
+    if method != "gear":
         assert {k: r["knobs"][k] for k in ks["knobs"]} == ks["knobs"]
     else:
         assert r["knobs"]["block"] == ks["knobs"]["block"]

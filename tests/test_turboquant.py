@@ -355,7 +355,7 @@ def test_unreachable_budgets_name_the_range():
         with pytest.raises(Unsupported, match=f"reachable {low}"):
             m.configure(_shape(d), target, None)
     with pytest.raises(Unsupported, match=r"\.\.8\.25"):
-        TurboQuant().configure(_shape(64), 9.0, None)
+        TurboQuant().configure(_shape(64), 0.2, None)
 
 
 def test_off_grid_targets_take_the_nearest_plan_within_two_percent():

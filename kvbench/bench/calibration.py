@@ -34,7 +34,7 @@ from methods import build_method
 from ..fit.statistics import collect_stats
 from ..model.integrate import model_shape
 from .common import (BASELINES, EVAL_CASES, INFO, BenchModel, Row, Sizes, StatsSource, budget_label, calib_windows,
-                     paired_ratio, sample_request)
+                     paired_ratio)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def method_rows(bm: BenchModel, sizes: Sizes, case: tuple, plain, windows: torch
     tag = f"{label} ({budget_label(bpd, v_bpd)})"
     tokens = windows.numel()
     rows = []
-    n = sample_request(method)
+    n = method.calibration_sample_tokens()
     if n > 0:
         box: dict = {}
 

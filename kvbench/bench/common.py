@@ -208,7 +208,7 @@ def make_method(name: str, options: dict, shape: ModelShape, bpd, v_bpd, stats=N
         if stats is None:
             raise ValueError(f"{name} needs calibration statistics")
         if isinstance(stats, StatsSource):
-            stats = stats(sample_request(method))
+            stats = stats(method.calibration_sample_tokens())
         method.calibrate(stats, seed=seed)
     return method
 
@@ -221,13 +221,6 @@ def bench_options(name: str, options: dict, seed: int = 0) -> dict:
     if name == "gear":
         return {"seed": seed, **options}
     return dict(options)
-
-
-def sample_request(method) -> int:
-    """Calibration sample tokens per head ``method`` asks for (0: the moments suffice)."""
-    from ..fit.statistics import sample_request as ask
-
-    return ask(method)
 
 
 class StatsSource:

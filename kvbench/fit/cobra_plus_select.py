@@ -54,7 +54,7 @@ from ..context import JobContext
 from ..store.cache import cached_json
 from .heldout import heldout
 from .layer_sensitivity import measure_for
-from .search import fit_candidate, heldout_ppl
+from .search import fit_candidate, heldout_window_ppl
 from .statistics import sample_request, statistics
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class Scorer:
         unsupported = fit_candidate(self.ctx, method, stage.bpd_k, stage.bpd_v, sensitivity)
         if unsupported is not None:
             return {"ppl": None, "unsupported": unsupported, "seconds": time.perf_counter() - t0}
-        window_ppl = [heldout_ppl(self.ctx, method, w[None]) for w in self.windows]
+        window_ppl = heldout_window_ppl(self.ctx, method, self.windows)
         ppl = math.exp(sum(math.log(p) for p in window_ppl) / len(window_ppl))
         shown = {k: options.get(k) for k in searched_options([stage])}
         log.info("cobra_plus select [%s] %s -> held-out PPL %.3f", stage.name, shown, ppl)

@@ -22,6 +22,7 @@ from typing import Callable
 from methods import Unsupported
 
 from ..context import JobContext
+from ..model.batching import largest_fitting
 from ..model.compressed_lm import CompressedLM
 from ..model.integrate import attached
 from ..model.perplexity import perplexity
@@ -44,9 +45,33 @@ def fit_candidate(ctx: JobContext, method, bpd_k: float | None, bpd_v: float | N
 
 
 def heldout_ppl(ctx: JobContext, method, windows, track: str = "A", context: int | None = None) -> float:
-    """Perplexity of ``windows`` through the model with ``method`` attached."""
+    """Perplexity of ``windows`` through the model with ``method`` attached, the windows run
+    :func:`fit_batch` at a time."""
+    nll = heldout_nll(ctx, method, windows, track, context)
+    return math.exp(sum(s for s, _ in nll) / sum(n for _, n in nll))
+
+
+def heldout_window_ppl(ctx: JobContext, method, windows) -> list[float]:
+    """Each window's own Q-all perplexity, the windows run :func:`fit_batch` at a time."""
+    return [math.exp(s / n) for s, n in heldout_nll(ctx, method, windows, "A", None)]
+
+
+def heldout_nll(ctx: JobContext, method, windows, track: str, context: int | None) -> list[tuple[float, int]]:
+    """(summed NLL, predicted tokens) of every window in order. A batch gives what its rows give
+    alone (tests/test_batch_equality.py), so the batch never changes a search's outcome."""
     with attached(ctx.model, method) as comp:
-        return perplexity(CompressedLM(ctx.model, ctx.tokenizer, comp), windows, track, context)
+        lm = CompressedLM(ctx.model, ctx.tokenizer, comp)
+        out: list[tuple[float, int]] = []
+
+        def run(n: int) -> None:
+            out.clear()
+            perplexity(lm, windows, track, context, each=lambda s, c: out.append((s, c)), batch_size=n)
+
+        if ctx.batch == "auto" and lm.device.type == "cuda":
+            largest_fitting(run, cap=len(windows))
+        else:
+            run(1 if ctx.batch == "auto" else int(ctx.batch))
+        return out
 
 
 def lowest(scored: list[dict], tie: Callable[[dict], object], none_reachable: str) -> dict:

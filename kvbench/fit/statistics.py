@@ -82,8 +82,7 @@ def spec_fields(spec: CalibrationSpec) -> dict:
 
 def sample_request(method) -> int:
     """Tokens per head of the calibration sample ``method`` asks for (0 when it needs none)."""
-    ask = getattr(method, "calibration_sample_tokens", None)
-    return int(ask()) if callable(ask) else 0
+    return int(method.calibration_sample_tokens())
 
 
 def with_sample(spec: CalibrationSpec, method) -> CalibrationSpec:

@@ -17,10 +17,13 @@ row, counted from the row's first real token, so RoPE never sees the padding eit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 SIDES = ("left", "right")
+#: the largest batch ``task.batch_size=auto`` tries
+MAX_AUTO = 64
 
 
 @dataclass
@@ -94,3 +97,18 @@ def longest_first(lengths: list[int]) -> list[int]:
     first batch is the largest, so an out-of-memory error comes at once, and rows of similar
     length share a batch)."""
     return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
+def largest_fitting(probe: Callable[[int], None], cap: int = MAX_AUTO) -> int:
+    """The largest batch ``n <= cap`` (halving from ``cap``) for which ``probe(n)`` runs without a
+    CUDA out-of-memory error."""
+    n = max(1, cap)
+    while True:
+        try:
+            probe(n)
+            return n
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            if n == 1:
+                raise
+            n //= 2

@@ -2,7 +2,7 @@
 
 ``null`` (the default) is ``auto`` on CUDA and 1 on a CPU. ``auto`` finds the largest batch that
 fits the device, as lm-eval's ``auto`` does: it runs the task's largest item at a batch of
-:data:`MAX_AUTO` rows, halving on an out-of-memory error until one fits; on a CPU, where memory
+:data:`kvbench.model.batching.MAX_AUTO` rows, halving on an out-of-memory error until one fits; on a CPU, where memory
 runs out by swapping rather than by an error, ``auto`` is 1. A batch gives what its rows give alone
 (tests/test_batch_equality.py), so the batch size is not part of a job's identity; the result
 records the batch each task used under ``batch_size``.
@@ -15,11 +15,9 @@ from typing import Callable
 
 import torch
 
+from ..model.batching import largest_fitting
+
 log = logging.getLogger(__name__)
-
-#: the largest batch ``auto`` tries
-MAX_AUTO = 64
-
 
 def batch_setting(job, lm) -> int | str:
     """``task.batch_size`` as an int >= 1 or ``"auto"`` (null: ``auto`` where ``lm`` runs on CUDA,
@@ -36,21 +34,6 @@ def batch_setting(job, lm) -> int | str:
     if n < 1 or str(n) != str(value).strip():
         raise ValueError(f"task.batch_size={value!r}; valid choices: a whole number >= 1, auto, null")
     return n
-
-
-def largest_fitting(probe: Callable[[int], None], cap: int = MAX_AUTO) -> int:
-    """The largest batch ``n <= cap`` (halving from ``cap``) for which ``probe(n)`` runs without a
-    CUDA out-of-memory error."""
-    n = max(1, cap)
-    while True:
-        try:
-            probe(n)
-            return n
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            if n == 1:
-                raise
-            n //= 2
 
 
 def resolve_batch_size(setting: int | str, lm, probe: Callable[[int], None], task: str) -> int:
