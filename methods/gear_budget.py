@@ -5,6 +5,7 @@ each target), the chosen knobs, the joint K/V fit and the message when nothing i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from .base import Regime, Unsupported
@@ -158,16 +159,24 @@ def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regim
 
 def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, budget: str = "measured",
               prompt_rank: int | None = None) -> dict:
-    """``joint_kv``: the (key point, value point) pair at one n_b whose mean predicted bpd is within
-    :data:`AT_TARGET` of ``target_kv``, the most balanced first (:func:`methods.joint_budget.best_pair`),
-    then the per-side preference (keys first); :class:`Unsupported` when none is."""
+    """``joint_kv``: the (key point, value point) pair at one n_b whose mean predicted bpd is under
+    the ceiling of ``target_kv`` (1 + :data:`AT_TARGET`), first in the order of
+    :func:`methods.joint_budget.admissible_pairs` (within the band first, the most balanced first,
+    then the cheaper pairs), then the per-side preference (keys first); :class:`Unsupported` when
+    none is."""
     pairs = []
     for nb in block_grid():
         keys = _side_points("k", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
         vals = _side_points("v", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
-        # only pairs near the band go to best_pair: up to 288 x 288 per n_b otherwise
+        # up to 288 x 288 pairs per n_b: best_pair sees those near the band and, per key point,
+        # the dearest value point under the ceiling (any cheaper one ranks below it)
         lo, hi = 2 * target_kv * (1 - AT_TARGET) - _EPS, 2 * target_kv * (1 + AT_TARGET) + _EPS
-        pairs += [((k, nb), (v, nb)) for k in keys for v in vals if lo <= k[0] + v[0] <= hi]
+        vals = sorted(vals, key=lambda v: v[0])
+        costs = [v[0] for v in vals]
+        for k in keys:
+            top = bisect.bisect_right(costs, hi - k[0])
+            near = bisect.bisect_left(costs, lo - k[0])
+            pairs += [((k, nb), (v, nb)) for v in vals[min(near, max(0, top - 1)):top]]
     best = best_pair(pairs, lambda p: p[0][0], target_kv, AT_TARGET, lambda kp, vp: (kp[0][1], vp[0][1]))
     if best is None:
         raise Unsupported(no_joint_pair("gear", target_kv, regime, " at one n_b") + "; "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import h2o_fused
 from .attention import causal_attention
 from .base import KVMethod, Unsupported
 from .budget import in_band
@@ -72,6 +73,11 @@ class H2O(KVMethod):
       six ops, 5.6 per token on average at rho = 0.25). The outputs are one GEMM per block.
       (Scattering -inf into the block's later rows instead would drop the mask add and the
       write-back, 3.6 ops per token, but was 1.5x slower on a CPU: strided writes per eviction.)
+    * ``fused`` (``auto`` | ``on`` | ``off``): the same recursion as one Triton kernel launch per
+      block (:mod:`methods.h2o_fused`): ``auto`` on CUDA where Triton is installed, the torch loop
+      above (the reference) elsewhere; ``on`` insists (an error where it cannot run, unless
+      Triton's interpreter is active), ``off`` never. Same kept sets, counts and outputs up to
+      rounding (tests/test_h2o_fused.py).
     """
 
     name = "h2o"
@@ -82,8 +88,10 @@ class H2O(KVMethod):
     min_budget: int = 8
     count_indices: bool = False
     budget: str = "measured"
+    fused: str = "auto"
 
     def __post_init__(self):
+        h2o_fused.check_choice(self.fused)
         if self.budget not in ("measured", "nominal"):
             raise ValueError(f"h2o: budget must be 'measured' or 'nominal', got {self.budget!r}")
         for label, r in (("heavy_ratio", self.heavy_ratio), ("recent_ratio", self.recent_ratio)):
@@ -191,7 +199,7 @@ class H2O(KVMethod):
     def new_layer_state(self, layer):
         h, r = self._ratios
         scale = getattr(self, "_qall_scale", 1.0)
-        return H2OLayerState(h, r, int(self.min_budget), bool(self.count_indices), scale)
+        return H2OLayerState(h, r, int(self.min_budget), bool(self.count_indices), scale, self.fused)
 
     def knobs(self):
         h, r = self._ratios
@@ -309,6 +317,7 @@ class H2OLayerState(EvictionLayerState):
     min_budget: int = 8
     count_indices: bool = False
     qall_scale: float = 1.0  # ρ of a Q-all state = (heavy + recent) x this (budget="measured")
+    fused: str = "auto"  # the per-token recursion as a Triton kernel (methods/h2o_fused.py)
 
     def __post_init__(self):
         self._k = self._v = self._score = self._pos = None
@@ -380,12 +389,16 @@ class H2OLayerState(EvictionLayerState):
         ones = torch.ones(1, g, dtype=cdt, device=dev)
         kept, counts, outs = m, [], []
         rows = _block_rows(bh, g, m + n)
+        fused = h2o_fused.use_fused(self.fused, dev, g, m + n)
         with _one_thread(dev):
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 blk = _logit_block(qg, kt, m, r0, r1, scaling)
                 live = state[:, :, : m + r1].clone()  # contiguous for the in-place GEMM
-                kept = self._evict_loop(blk, live, ones, pos.reshape(bh, m + n), m, r0, kept, counts)
+                if fused:
+                    kept = self._fused_block(blk, live, pos.reshape(bh, m + n), m, r0, kept, counts)
+                else:
+                    kept = self._evict_loop(blk, live, ones, pos.reshape(bh, m + n), m, r0, kept, counts)
                 state[:, :, : m + r1] = live
                 outs.append(_block_output(blk, vw, q.dtype))
                 del blk  # one block of logits alive at a time
@@ -428,6 +441,14 @@ class H2OLayerState(EvictionLayerState):
                 j = self._victim(neg, pos, m, t, c_r)
                 live.scatter_(-1, j.expand(2, *j.shape), float("-inf"))
                 kept -= 1
+        return kept
+
+    def _fused_block(self, blk, live, pos, m, r0, kept, counts):
+        """:meth:`_evict_loop` as one Triton launch (:func:`methods.h2o_fused.evict_block`); the
+        evictions per token and the recent-window thresholds come from the budget schedule."""
+        n_evict, thresholds, kept = h2o_fused.block_schedule(
+            self.budget, self._seen, r0, blk.shape[2], kept, counts)
+        h2o_fused.evict_block(blk, live, pos, n_evict, thresholds, nothing_held=m == 0)
         return kept
 
     def _victim(self, neg, pos, m, t, c_r):

@@ -58,6 +58,8 @@ def test_job_id_ignores_paths_tracking_and_labels():
         ["task.batch_size=4"], ["task.batch_size=auto"],  # a batch gives what its rows give alone
     ):
         assert job_id(cfg_of("method=cobra_kl", "bpd=1.0", *same)) == base, same
+    h2o = job_id(cfg_of("method=h2o", "bpd=1.0"))  # the kernel of H2O's recursion: the same result
+    assert job_id(cfg_of("method=h2o", "bpd=1.0", "method.fused=off")) == h2o
     # labels: the experiment's name and the row that selected the other keys
     plain = OmegaConf.to_container(cfg_of("method=cobra_kl", "bpd=1.0"), resolve=True)
     assert job_id({**plain, "experiment": "ablation", "ablation_row": "k1_cobra_kl"}) == base

@@ -3,7 +3,8 @@
 A job's identity is the SHA-256 of its resolved config with the keys that cannot change its
 result removed: where it writes (``hydra.*``, output paths), whether to redo it (``rerun``), how it
 is tracked (``wandb.*``), how many items run at a time (``task.batch_size``: a batch gives what its
-rows give alone, docs/design.md §2.1) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
+rows give alone, docs/design.md §2.1), which kernel runs H2O's recursion (``method.fused``: the
+Triton form gives the torch loop's kept sets and outputs, tests/test_h2o_fused.py) and pure labels (``experiment``, ``main_row``, ``ablation_row``,
 ``frontier_row``, ``ruler_row``, ``baseline_row``: the rows of conf/experiment/* only select other
 keys, which are hashed themselves). Everything else —
 model, method and its options, budgets, seed, tasks, limits, protocol and calibration settings,
@@ -31,7 +32,7 @@ from .results import FINISHED
 EXCLUDED_KEYS = frozenset({"hydra", "rerun", "wandb", "experiment", "main_row", "ablation_row",
                            "frontier_row", "ruler_row", "baseline_row"})
 #: keys inside a section left out of the identity (section, key)
-EXCLUDED_NESTED = (("task", "batch_size"),)
+EXCLUDED_NESTED = (("task", "batch_size"), ("method", "fused"))
 ID_LENGTH = 16
 
 
