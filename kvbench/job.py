@@ -28,6 +28,7 @@ from .config import Budget, JobConfig, budget, job_regime, redundant_seed
 from .context import JobContext, no_progress
 from .fit.budget_share import choose_budget_share
 from .fit.cobra_plus_select import select_for_job
+from .fit.fisher import fisher_stats
 from .fit.knob_search import choose_for_job as choose_knobs_for_job
 from .fit.kv_split import choose_kv_split
 from .fit.layer_sensitivity import measure_for
@@ -131,6 +132,9 @@ def fit(job: JobConfig, method, ctx: JobContext, bud: Budget, result: dict, out_
     if method.needs_calibration:
         stats, timings["calibrate_s"], hit = statistics(ctx.model, ctx.tokenizer, ctx.model_id, ctx.spec)
         result["counts"]["calibration_cache_hit"] = hit
+        if method.calibration_fisher():
+            stats, timings["fisher_s"], hit = fisher_stats(ctx.model, ctx.tokenizer, ctx.model_id, ctx.spec, stats)
+            result["counts"]["fisher_cache_hit"] = hit
         ctx = ctx.with_stats(stats)
     bpd_k, bpd_v = bud.bpd_k, bud.bpd_v
     if bud.auto:

@@ -71,6 +71,9 @@ class LayerStats:
     k_sample, v_sample: optional [H, n, d] float16 samples of the same calibration tokens, centered
         (k - mu_k, v - mu_v), for the calibrated step of §1.1b; ``None`` unless a method asked for
         them (``calibration_sample_tokens()``). The n tokens are shared by all heads of all layers.
+    k_fisher, v_fisher: optional [H, n, d] Fisher information (squared gradients of the calibration
+        loss w.r.t. the ``k_proj``/``v_proj`` outputs, float32 or float64) at the sample's tokens;
+        ``None`` unless a method asked for it (``calibration_fisher()``).
     """
 
     mu_k: torch.Tensor
@@ -81,6 +84,8 @@ class LayerStats:
     n_tokens: int
     k_sample: torch.Tensor | None = None
     v_sample: torch.Tensor | None = None
+    k_fisher: torch.Tensor | None = None
+    v_fisher: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,12 @@ class KVMethod:
         (``LayerStats.k_sample``/``v_sample``), asked before ``configure``; 0 (the default) for
         the plain moments."""
         return 0
+
+    def calibration_fisher(self) -> bool:
+        """Whether ``calibrate`` needs the Fisher information at the sample's tokens
+        (``LayerStats.k_fisher``/``v_fisher``, one backward pass per calibration window,
+        kvbench/fit/fisher.py), asked with ``calibration_sample_tokens``; False (the default)."""
+        return False
 
     def knobs(self) -> dict:
         """The knobs chosen by ``configure``/``calibrate`` (logged into result.json)."""

@@ -36,7 +36,7 @@ CASES = [
     ("gear", "gear", {"block": 8, "group": 8, "sparsity": 0.25, "rank": 2, "v_bits": 3, "v_group": 8,
                       "v_sparsity": 0.1, "v_rank": 1}, 4.0, 3.0),
     ("turboquant", "turboquant", {}, 2.0, 3.0),
-    ("kvquant", "kvquant", {"bits": 2, "v_bits": 3, "outliers": 0.05}, 2.0, 3.0),
+    ("kvquant", "kvquant", {"bits": 2, "v_bits": 3, "outliers": 0.05, "fisher": False}, 2.0, 3.0),
     ("h2o", "h2o", {"min_budget": 4}, 8.0, None),
     ("snapkv", "snapkv", {"window": 4, "kernel": 3}, 4.0, None),
     ("snapkv_evict", "snapkv", {"window": 4, "kernel": 3, "decode": "evict", "decode_interval": 4}, 4.0, None),

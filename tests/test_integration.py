@@ -30,7 +30,7 @@ CASES = [
     ("gear", {"block": 16, "group": 8, "sparsity": 0.25, "rank": 2, "v_bits": 3, "v_group": 8,
               "v_sparsity": 0.1, "v_rank": 1}, 4.0, 3.0),
     ("turboquant", {}, 2.0, 3.0),
-    ("kvquant", {"bits": 2, "v_bits": 3, "outliers": 0.05}, 2.0, 3.0),
+    ("kvquant", {"bits": 2, "v_bits": 3, "outliers": 0.05, "fisher": False}, 2.0, 3.0),
     ("h2o", {}, 4.0, None),
 ]
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import configured_method, tiny_llama
+from kvbench.fit.fisher import collect_fisher, with_fisher
 from kvbench.fit.statistics import collect_stats
 from kvbench.model.integrate import attach
 from methods import build_method
@@ -286,6 +287,111 @@ def test_uniform_fisher_is_unweighted_and_paper_scale_changes_the_lut():
     assert not torch.equal(code, paper)
 
 
+def naive_lloyd(x, w, centers, iters=50, tol=1e-4):
+    """Weighted Lloyd by definition, float64: every point to its nearest centroid (the first on a
+    tie), each centroid to its cluster's weighted mean (kept when empty); stops as kmeans_1d."""
+    bound = tol * float(x.var(unbiased=False))
+    assign = None
+    for _ in range(iters):
+        new = (x[:, None] - centers[None, :]).abs().argmin(1)
+        if assign is not None and torch.equal(new, assign):
+            break
+        assign = new
+        moved = centers.clone()
+        for j in range(centers.numel()):
+            sel = assign == j
+            if bool(sel.any()) and float(w[sel].sum()) > 0:
+                moved[j] = (w[sel] * x[sel]).sum() / w[sel].sum()
+        moved = moved.sort().values
+        shift = float(((moved - centers) ** 2).sum())
+        centers = moved
+        if shift <= bound:
+            break
+    return centers
+
+
+def test_fisher_weighted_kmeans_matches_a_naive_weighted_lloyd_and_its_objective():
+    """k-means weighted by Fisher information (paper Eq. 7): kmeans_1d equals the naive weighted
+    Lloyd iteration from the same start, and its weighted objective is at most that of the
+    unweighted centroids; ``lut_weights`` is F (``"code"``) or F s² (``"paper"``: the Fisher
+    information of the normalized element, ∂L/∂z = s ∂L/∂x)."""
+    from methods.kvquant import companding_init
+    from methods.kvquant.calibration import lut_weights
+
+    g = torch.Generator().manual_seed(40)
+    x = (torch.randn(3000, dtype=F64, generator=g) * 0.4).clamp(-1, 1)
+    w = torch.rand(3000, dtype=F64, generator=g) ** 4 * 1e-6  # squared gradients: tiny, heavy-tailed
+    xs, order = x.sort()
+    ours = kmeans_1d(x, 8, w)
+    ref = naive_lloyd(xs, w[order], companding_init(xs, w[order], 8))
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-12)
+    plain = kmeans_1d(x, 8)
+    assert weighted_sse(x, ours, w) <= weighted_sse(x, plain, w)
+    z = torch.randn(6, 5, dtype=F64, generator=g)
+    half = torch.rand(1, 5, dtype=F64, generator=g) + 0.5
+    fisher = torch.rand(6, 5, dtype=F64, generator=g)
+    assert torch.equal(lut_weights(z, half, fisher, "code"), fisher)
+    assert torch.allclose(lut_weights(z, half, fisher, "paper"), fisher * half**2, rtol=1e-15, atol=0)
+    assert lut_weights(z, half, None, "code") is None
+    cal = activations(512, 32, seed=41)
+    f_cal = torch.rand(512, 32, dtype=F64, generator=g)
+    t = outlier_level(0.01)
+    u, lo, lut, _ = key_calibration(cal, t, 2, "paper", f_cal)
+    up, low = (torch.quantile(cal, q, dim=0) for q in (t, 1 - t))
+    zk = (cal - (up + low) / 2) / ((up - low) / 2)
+    keep = zk.abs() <= 1
+    want = kmeans_1d(zk[keep], 4, (f_cal * ((up - low) / 2) ** 2)[keep]).half()
+    assert torch.equal(lut, want)
+    assert not torch.equal(lut, key_calibration(cal, t, 2, "paper")[2])
+
+
+def test_fisher_pass_matches_a_naive_autograd_reference():
+    """kvbench/fit/fisher.py: the squared gradient of each window's mean next-token loss (HF's
+    ``labels=`` loss) w.r.t. the k_proj/v_proj outputs, at the key/value sample's positions, equals
+    a naive reference: the official route (retain_grad on each projection output, backward of the
+    ``labels=input_ids`` loss, here recomputed in float64), read position by position."""
+    from kvbench.fit.statistics import sample_positions
+
+    model = tiny_llama(seed=2).to(F64)
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(5))
+    n_sample = 20
+    got = collect_fisher(model, ids, n_sample, seed=3)
+    stats = collect_stats(model, ids, sample_tokens=n_sample, seed=3)
+    heads, d = 2, 16
+    positions = sample_positions(ids.numel(), n_sample, 3).tolist()
+    want = [([], []) for _ in model.model.layers]
+    for w in range(ids.shape[0]):
+        outs = []
+
+        def keep(module, args, out):
+            out.retain_grad()
+            outs.append(out)
+
+        hooks = [proj.register_forward_hook(keep)
+                 for layer in model.model.layers for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        model.zero_grad()
+        out = model(input_ids=ids[w : w + 1], labels=ids[w : w + 1], use_cache=False)
+        loss = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[w, 1:])  # HF's loss, in float64
+        assert float(loss.detach()) == pytest.approx(float(out.loss.detach()), rel=1e-6)  # HF: float32
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        for p in positions:
+            if p // 24 != w:
+                continue
+            for i, o in enumerate(outs):
+                want[i // 2][i % 2].append(o.grad[0, p % 24].reshape(heads, d) ** 2)
+    model.zero_grad()
+    assert all(p.grad is None or not bool(p.grad.any()) for p in model.parameters())
+    for layer, (kf, vf) in enumerate(got):
+        assert kf.shape == vf.shape == stats[layer].k_sample.shape == (heads, n_sample, d)
+        assert kf.dtype == F64
+        for mine, ref in ((kf, want[layer][0]), (vf, want[layer][1])):
+            ref = torch.stack(ref, 1)
+            assert torch.allclose(mine, ref, rtol=1e-10, atol=1e-300)
+            assert float(ref.abs().max()) > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # quantizer parity (§14.8 test 2)
 
@@ -458,20 +564,19 @@ def test_prediction_equals_the_measured_headline_without_outliers():
 
 @pytest.mark.parametrize("shape", [SMOL, LLAMA], ids=["d64", "d128"])
 def test_budget_grid_in_q_all_and_prefill(shape):
-    """The module docstring's grid: 0.5 unreachable; 1 and 2 drop the sink in Q-all over 2048
-    positions (its share would be 6 % / 2.8 %), 3 and 4 keep it; after a 1536-token prefill every
-    row keeps it. Predicted measured bpd_K within 2 % of the target."""
+    """docs/methods.md §14.6 at f = 0 (``outliers=0``): 0.5 unreachable; 1 and 2 run without the
+    sink in Q-all over 2048 positions (its share would put them 6 % / 2.8 % over), 3 and 4 keep it;
+    after a 1536-token prefill every row keeps it. The most bits under the 1.02 x ceiling."""
     expected = {"qall": {1: (1, 0), 2: (2, 0), 3: (3, 1), 4: (4, 1)},
                 "prefill": {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (4, 1)}}
     for regime in (Regime("qall", 2048), Regime("prefill", 1536, 511)):
         for target, (b, sink) in expected[regime.kind].items():
-            m = KVQuant()
+            m = KVQuant(outliers=0.0)
             m.set_regime(regime)
             m.configure(shape, float(target), None)
             knobs = m.knobs()
-            assert (knobs["k_bits"], knobs["sink"], knobs["v_bits"]) == (b, sink, None)
-            assert abs(knobs["predicted_bpd_k"] - target) <= 0.02 * target
-            assert ("sink_dropped" in knobs) == (sink == 0)
+            assert (knobs["k_bits"], knobs["sink"], knobs["v_bits"], knobs["k_outliers"]) == (b, sink, None, 0.0)
+            assert target * 0.98 <= knobs["predicted_bpd_k"] <= 1.02 * target
         m = KVQuant()
         m.set_regime(regime)
         with pytest.raises(Unsupported, match=r"reachable range \[1\.00"):
@@ -479,14 +584,14 @@ def test_budget_grid_in_q_all_and_prefill(shape):
 
 
 def test_value_budget_and_explicit_knobs():
-    """Values cost b + 32/n: on SmolLM2 (n = 192) no integer v_bpd is in the band; on Llama-3.1-8B
-    (n = 1024) v_bpd = 3 is nuq3 at 3.03 without the sink (3.08 with it: out of the band, and one
-    sink serves both sides). Explicit bits run as set; the paper's nuq4-1 % on
-    Llama is 4.35 + 32/n; an explicit sink that leaves the band is unsupported."""
-    m = KVQuant()
-    with pytest.raises(Unsupported, match="v_bpd=4"):
-        m.configure(SMOL, 4.0, 4.0)
-    m = KVQuant()
+    """Values cost b + 32/n: at f = 0 on SmolLM2 (n = 192) v_bpd = 4 takes nuq3 (3.17, under the
+    ceiling), on Llama-3.1-8B (n = 1024) v_bpd = 3 is nuq3 at 3.03 without the sink (3.08 with it,
+    over 1.02 x, and one sink serves both sides). Explicit bits run as set; the paper's nuq4-1 % on
+    Llama is 4.35 + 32/n; an explicit sink over the ceiling is unsupported."""
+    m = KVQuant(outliers=0.0)
+    m.configure(SMOL, 4.0, 4.0)
+    assert (m.knobs()["v_bits"], m.knobs()["predicted_bpd_v"]) == (3, pytest.approx(3 + 32 / 192 + 13 * 0.0040, abs=2e-3))
+    m = KVQuant(outliers=0.0)
     m.configure(LLAMA, 4.0, 3.0)
     knobs = m.knobs()
     assert (knobs["k_bits"], knobs["v_bits"], knobs["sink"]) == (4, 3, 0)
@@ -495,10 +600,119 @@ def test_value_budget_and_explicit_knobs():
     m.configure(LLAMA, None, None)
     assert m.knobs()["predicted_bpd_k"] == pytest.approx(4 + 0.32 + 32 / 1024)
     with pytest.raises(Unsupported):
-        KVQuant(sink=1).configure(SMOL, 1.0, None)
-    m = KVQuant(sink=0)
+        KVQuant(sink=1, outliers=0.0).configure(SMOL, 1.0, None)
+    m = KVQuant(sink=0, outliers=0.0)
     m.configure(SMOL, 3.0, None)
     assert m.knobs()["sink"] == 0
+
+
+def test_outliers_per_side_counts_and_bits():
+    """``outliers`` (keys) and ``v_outliers`` (values, default = ``outliers``) are separate: each
+    side's stored outliers are counted per token, and the stored bits equal §14.5's per-token cost
+    from the counted outliers (keys: measured f_K; values: the exact count of §14.3)."""
+    n, heads = 64, 2
+    cal = activations(2048, n, seed=30)
+    x = as_block(activations(40, n, seed=31), heads)
+    for fk, fv in ((0.02, 0.0), (0.0, 0.02), (0.01, 0.005)):
+        m = KVQuant(bits=2, v_bits=3, outliers=fk, v_outliers=fv, fisher=False)
+        m.configure(ModelShape(1, 4, heads, n // heads), None, None)
+        kn = m.knobs()
+        assert (kn["k_outliers"], kn["v_outliers"]) == (fk, fv)
+        tk, tv = outlier_level(fk), outlier_level(fv)
+        u, lo, lut, _ = key_calibration(cal, tk, 2)
+        key, value = KeyCodec(u, lo, lut, 2, fk > 0), ValueCodec(value_calibration(cal, tv, 3), 3, tv)
+        pk, pv = key.encode(x), value.encode(x)
+        assert (pk.pointer is None) == (fk == 0) and (pv.pointer is None) == (fv == 0)
+        n_k = 0 if pk.values is None else pk.values.numel()
+        assert pk.bits() == 40 * (2 * n + (32 if fk else 0)) + 32 * n_k
+        assert pk.bits() == pytest.approx(40 * n * token_cost("k", 2, n_k / (40 * n), n) if fk else 40 * n * 2)
+        per_token = value_outlier_count(n, tv)
+        assert (0 if pv.values is None else pv.values.numel()) == 40 * per_token
+        assert pv.bits() == pytest.approx(40 * n * token_cost("v", 3, fv, n))
+        assert m.nominal_bpd(10**9)[1] == pytest.approx(token_cost("v", 3, fv, n), rel=1e-6)
+
+
+def test_presets_are_explicit_knobs():
+    """``preset`` (the paper's nuq4/3/2-1 %, sink 1) sets the knobs and runs as set at its measured
+    bpd, without a search; it excludes the single knobs; a wrong name lists the valid ones."""
+    m = KVQuant(preset="nuq4-1%")
+    assert m.searches() == () and m.knob_candidates(LLAMA, 4.0, 4.0, 27) == []
+    m.configure(LLAMA, 4.0, 4.0)
+    kn = m.knobs()
+    assert (kn["k_bits"], kn["v_bits"], kn["k_outliers"], kn["v_outliers"], kn["sink"]) == (4, 4, 0.01, 0.01, 1)
+    assert kn["predicted_bpd_k"] == pytest.approx(headline(4 + 0.32 + 32 / 1024, 1, Regime()))
+    assert kn["chosen_by"] == "run as set" and kn["preset"] == "nuq4-1%"
+    m = KVQuant(preset="nuq2-1%")
+    m.configure(SMOL, 3.0, None)
+    assert (m.knobs()["k_bits"], m.knobs()["v_bits"]) == (2, None)
+    with pytest.raises(ValueError, match="nuq4-1%"):
+        KVQuant(preset="nuq4")
+    with pytest.raises(ValueError, match="drop"):
+        KVQuant(preset="nuq3-1%", bits=3)
+
+
+def test_ceiling_admits_cheaper_configurations_and_refuses_3_percent_over():
+    """docs/methods.md §0.1: admissible iff the predicted headline is at most 1.02 x the target; a
+    cheaper configuration is admissible, one 3 % over is not (also for the joint mean)."""
+    from methods.kvquant.budget import configurations
+
+    regime = Regime("qall", 2048)
+    grids = {"k": ((3,), (0.0,))}
+    p = headline(3.0, 1, regime)
+    assert configurations({"k": p / 1.019}, grids, (1,), 192, regime, "measured")
+    assert not configurations({"k": p / 1.03}, grids, (1,), 192, regime, "measured")
+    assert configurations({"k": 10.0}, grids, (1,), 192, regime, "measured")  # far under: admissible
+    both = {"k": ((2,), (0.0,)), "v": ((2,), (0.0,))}
+    mean = (2.0 + 2 + 32 / 192) / 2
+    assert configurations({"k": 1, "v": 1}, both, (0,), 192, regime, "measured", target_kv=mean / 1.019)
+    assert not configurations({"k": 1, "v": 1}, both, (0,), 192, regime, "measured", target_kv=mean / 1.03)
+
+
+def test_knob_candidates_paper_preset_first_and_at_most_27():
+    """With no knob given the held-out search chooses (``searches()``): the candidates are under
+    the ceiling, at most 27, the richest admissible paper preset first, then one per bit width;
+    a given knob turns the search off."""
+    m = KVQuant()
+    m.set_regime(Regime("qall", 2048))
+    assert m.searches() == ("knobs",)
+    for bpd, first in ((2.0, {"bits": 2, "outliers": 0.0, "sink": 0}),
+                       (3.0, {"bits": 2, "outliers": 0.01, "sink": 1}),
+                       (4.0, {"bits": 3, "outliers": 0.01, "sink": 1})):
+        cands = m.knob_candidates(SMOL, bpd, None, 27)
+        assert 1 <= len(cands) <= 27
+        assert {k: cands[0][k] for k in first} == first
+        for c in cands:
+            probe = KVQuant()
+            probe.set_regime(Regime("qall", 2048))
+            probe.use_knobs(c)
+            probe.configure(SMOL, bpd, None)
+            assert probe.knobs()["predicted_bpd_k"] <= 1.02 * bpd + 1e-12
+            assert probe.knobs()["chosen_by"] == "held-out knob search"
+    assert KVQuant(outliers=0.0).searches() == ()
+    assert KVQuant(budget="nominal").searches() == ()
+    probe = KVQuant()
+    probe.use_knobs({"bits": 5, "outliers": 0.0, "v_bits": None, "v_outliers": None, "sink": 0})
+    with pytest.raises(Unsupported, match="not admissible"):
+        probe.configure(SMOL, 2.0, None)
+
+
+def test_joint_kv_reaches_2_with_outliers_on_the_values():
+    """``joint_kv`` at bpd_KV = 2 on SmolLM2 (n = 192): keys nuq2-0 % (2.000) and values nuq1 with
+    f_V = 2 % (4 of 192 entries: 1 + 32/192 + 32*4/192 + 32/192 = 2.000) is a candidate whose mean
+    is exactly 2; every candidate's mean is under the ceiling."""
+    m = KVQuant(joint_kv=True)
+    m.set_regime(Regime("qall", 2048))
+    cands = m.knob_candidates(SMOL, 2.0, 2.0, 27)
+    assert {"bits": 2, "outliers": 0.0, "v_bits": 1, "v_outliers": 0.02, "sink": 0} in cands
+    assert value_outlier_count(192, outlier_level(0.02)) == 4
+    assert token_cost("v", 1, 0.02, 192) == pytest.approx(2.0, abs=1e-12)
+    for c in cands:
+        probe = KVQuant(joint_kv=True)
+        probe.set_regime(Regime("qall", 2048))
+        probe.use_knobs(c)
+        probe.configure(SMOL, 2.0, 2.0)
+        kn = probe.knobs()
+        assert (kn["predicted_bpd_k"] + kn["predicted_bpd_v"]) / 2 <= 2.04 + 1e-12 and kn["joint_kv"] == 2.0
 
 
 def test_registry_and_yaml_give_the_defaults():
@@ -521,6 +735,8 @@ def test_bad_options_name_the_valid_choices():
         KVQuant(bits=6)
     with pytest.raises(ValueError, match="code"):
         KVQuant(fisher_scale="fisher")
+    with pytest.raises(ValueError, match="true, false"):
+        KVQuant(fisher="yes")
     with pytest.raises(ValueError, match="outlier fraction"):
         KVQuant(outliers=0.7)
     with pytest.raises(ValueError, match="measured"):
@@ -540,7 +756,12 @@ def test_calibration_needs_the_sample_and_asks_for_it():
                         torch.eye(d, dtype=F64).repeat(h, 1, 1), 100)]
     m = KVQuant()
     m.configure(ModelShape(1, 4, h, d), 2.0, None)
+    assert m.calibration_fisher() and not KVQuant(fisher=False).calibration_fisher()
     with pytest.raises(ValueError, match="sample_tokens"):
+        m.calibrate(stats)
+    stats[0].k_sample = torch.randn(h, 50, d, dtype=F64).half()
+    stats[0].v_sample = torch.randn(h, 50, d, dtype=F64).half()
+    with pytest.raises(ValueError, match="fisher=false"):
         m.calibrate(stats)
 
 
@@ -552,10 +773,12 @@ T = 80
 
 @pytest.fixture(scope="module")
 def model64_and_stats():
-    """The tiny float64 Llama with calibration statistics that hold the key/value sample."""
+    """The tiny float64 Llama with calibration statistics that hold the key/value sample and its
+    Fisher information."""
     model = tiny_llama(seed=1).to(F64)
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
-    return model, collect_stats(model, ids, sample_tokens=4096)
+    stats = collect_stats(model, ids, sample_tokens=4096)
+    return model, with_fisher(stats, collect_fisher(model, ids, 4096))
 
 
 OPTS = [({"bits": 2, "v_bits": 3, "outliers": 0.05}, 2.0, 3.0), ({}, 4.0, None)]

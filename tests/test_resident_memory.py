@@ -26,7 +26,7 @@ P, STEPS = 960, 8
 RESIDENT_LIMIT = 1.15
 CODECS = [
     ("kivi", {"residual": 32, "group": 16, "v_group": 16}, 4.0, 3.0),
-    ("kvquant", {}, 2.0, 3.0),
+    ("kvquant", {"fisher": False}, 2.0, 3.0),
     ("gear", {}, 8.0, 8.0),
     ("turboquant", {}, 2.0, 3.0),
     ("svdq", {"group": 16, "v_group": 16}, 1.5, 3.0),
@@ -78,7 +78,7 @@ TOKENWISE = [
     ("cobra_mse", {}, 2.0, 3.0),
     ("cobra_kl", {}, 0.5, 4.0),
     ("cobra_plus", {}, 1.0, 2.0),
-    ("kvquant", {"outliers": 0.01, "bits": 3, "v_bits": 3}, None, None),
+    ("kvquant", {"outliers": 0.01, "bits": 3, "v_bits": 3, "fisher": False}, None, None),
     ("turboquant", {"k_variant": "prod", "split": True}, 3.5, 3.0),
     ("turboquant", {}, 2.0, 3.0),
 ]

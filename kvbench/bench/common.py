@@ -165,7 +165,8 @@ EVAL_CASES = [
     ("cobra_mse", "cobra_mse", {}, 2.0, None, "codec"),
     ("cobra_kl", "cobra_kl", {}, 2.0, None, "codec"),
     ("h2o", "h2o", {}, 4.0, 4.0, "evict"),
-    ("kvquant", "kvquant", {}, 2.0, None, "baseline"),
+    # KVQuant at its §14.6 point (nuq2-0 %, F = 1): the bench has no Fisher pass nor knob search
+    ("kvquant", "kvquant", {"fisher": False, "fisher_scale": "code", "outliers": 0.0}, 2.0, None, "baseline"),
     ("gear", "gear", {}, 4.0, None, "baseline"),
     ("turboquant", "turboquant", {}, 2.0, None, "baseline"),
 ]

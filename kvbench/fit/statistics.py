@@ -242,6 +242,8 @@ def _compute(model, tokenizer, spec: CalibrationSpec, path: Path) -> tuple[list,
     stats = collect_stats(model, calibration_windows(tokenizer, spec), spec.sample_tokens, spec.seed)
     seconds = time.perf_counter() - t0
     tmp = unique_tmp(path)  # per process: two writers never share a temporary file
-    torch.save([s.__dict__ for s in stats], tmp)
+    # the Fisher information is cached apart (kvbench/fit/fisher.py): a file holds the moments and sample only,
+    # the fields every version of LayerStats reads
+    torch.save([{k: v for k, v in s.__dict__.items() if k not in ('k_fisher', 'v_fisher')} for s in stats], tmp)
     tmp.replace(path)
     return stats, seconds, False

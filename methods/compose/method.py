@@ -397,6 +397,9 @@ class Compose(KVMethod):
     def calibration_sample_tokens(self) -> int:
         return int(self._codec.calibration_sample_tokens())
 
+    def calibration_fisher(self) -> bool:
+        return bool(self._codec.calibration_fisher())
+
     def calibrate(self, stats, seed=0):
         if self._codec.needs_calibration:
             self._codec.calibrate(stats, seed=seed)
