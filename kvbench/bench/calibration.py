@@ -34,7 +34,7 @@ from methods import build_method
 from ..fit.statistics import collect_stats
 from ..model.integrate import model_shape
 from .common import (BASELINES, EVAL_CASES, INFO, BenchModel, Row, Sizes, StatsSource, budget_label, calib_windows,
-                     paired_ratio)
+                     bench_options, paired_ratio)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def method_rows(bm: BenchModel, sizes: Sizes, case: tuple, plain, windows: torch
     """The sample-pass row (methods that ask for a sample) and the fit row of one method; the
     sampled statistics go into ``source`` for the sections after this one."""
     label, name, options, bpd, v_bpd, _ = case
-    method = build_method(name, **options)
+    method = build_method(name, **bench_options(name, options))
     method.configure(model_shape(bm.model), bpd, v_bpd)
     tag = f"{label} ({budget_label(bpd, v_bpd)})"
     tokens = windows.numel()
@@ -118,7 +118,7 @@ def method_rows(bm: BenchModel, sizes: Sizes, case: tuple, plain, windows: torch
     stats = source(n)
     times = []
     for _ in range(max(1, sizes.calib_reps)):
-        fresh = build_method(name, **options)
+        fresh = build_method(name, **bench_options(name, options))
         fresh.configure(model_shape(bm.model), bpd, v_bpd)
         t0 = time.perf_counter()
         fresh.calibrate(stats, seed=0)
