@@ -210,7 +210,7 @@ def test_value_codec_calibrated_step():
             assert naive_mse(y, float(cal[layer].step[h] / gau[layer].step[h]) * optimal_step(4), 4) <= f_ref * (1 + 1e-3)
 
 
-def test_sample_request_and_fallback():
+def test_sample_request():
     from kvbench.fit.statistics import CalibrationSpec, sample_request, with_sample
 
     def configured(method, bpd, v_bpd=None):
@@ -225,7 +225,6 @@ def test_sample_request_and_fallback():
     assert sample_request(configured(KQSVD(), None, 4)) == SAMPLE_TOKENS  # rotated values
     assert sample_request(configured(CobraKL(), 1.0)) == 0
     assert sample_request(configured(CobraKL(step="calibrated"), 1.0)) == SAMPLE_TOKENS
-    assert sample_request(object()) == 0
     assert with_sample(CalibrationSpec(), configured(KQSVD(), 1.0)).sample_tokens == SAMPLE_TOKENS
     with pytest.raises(ValueError, match="gauss"):
         KQSVD(step="empirical")
