@@ -41,6 +41,7 @@ from .latent_codec import (
     step_multipliers,
     sub_seed,
     value_plan,
+    values_reachable,
 )
 
 #: the seed's allocation knobs (§5.3, §5.4): C2's damping eta, the least bits per kept coordinate
@@ -232,11 +233,8 @@ class Cobra(KVMethod):
         seed's setting first, then the points one knob away from it, then two, then three (each
         distance in grid order), so that a shorter list keeps the seed's neighbourhood; eta only
         where C2 is the seed's (it moves nothing else)."""
-        if bpd_k is None or bpd_k == 16 or "knobs" not in self.searches():
-            return []
-        try:
-            value_plan(bpd_v, self.v_quant, self.v_group, shape.head_dim)
-        except Unsupported:
+        if (bpd_k is None or bpd_k == 16 or "knobs" not in self.searches()
+                or not values_reachable(bpd_v, self.v_quant, self.v_group, shape.head_dim)):
             return []
         etas = KNOB_GRID["eta"] if C2_MODES[self.c2] == "seed" else KNOB_GRID["eta"][:1]
         points = [{"eta": e, "b_min": b, "rank_step": r}

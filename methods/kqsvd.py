@@ -26,6 +26,7 @@ from .latent_codec import (
     sample_tokens_for,
     step_multipliers,
     value_plan,
+    values_reachable,
 )
 
 RIDGE_START = 1e-12  # relative to mean(diag): first ridge tried when a Cholesky factorization fails
@@ -174,11 +175,8 @@ class KQSVD(KVMethod):
     def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
         """:func:`admissible` as ``{"rank", "bits"}``, the §4.3 pairs (the proxy's choice among
         them: the harness baseline's setting) first; ``[]`` with keys exact or values out of reach."""
-        if bpd_k is None or bpd_k == 16 or "knobs" not in self.searches():
-            return []
-        try:
-            value_plan(bpd_v, self.v_quant, self.v_group, shape.head_dim)
-        except Unsupported:
+        if (bpd_k is None or bpd_k == 16 or "knobs" not in self.searches()
+                or not values_reachable(bpd_v, self.v_quant, self.v_group, shape.head_dim)):
             return []
         out = [{"rank": r, "bits": b} for r, b in admissible(float(bpd_k), shape.head_dim)]
         return out if limit is None else out[:limit]
