@@ -72,6 +72,53 @@ def test_search_takes_the_lowest_heldout_ppl_among_the_candidates(name, bpd, v_b
     assert tie["knobs"] == cands[0]
 
 
+@pytest.mark.parametrize("v_bpd", [None, 4.0])
+def test_a_candidate_measured_over_the_ceiling_is_recorded_and_never_chosen(v_bpd):
+    """Where the held-out pass is the job's regime (Q-all over the held-out length) its headline is
+    the job's figure: the best-scoring candidate measured at 1.03 x the target (the KV mean in the
+    KV-track) is passed over, one at exactly 1.02 x is not; none under: Unsupported."""
+    ctx = _ctx(stats=_stats())
+    ctx.spec = CalibrationSpec(dataset="ptb", split="train", n_windows=2, seqlen=2048, seed=0)
+    method = build_method("kivi")
+    method.set_regime(QALL)
+    cands = KS.candidates(ctx, method, 4.0, v_bpd)[:3]
+    assert len(cands) == 3
+    side = 4.0
+    over, at = {"measured_k": 1.03 * side, "measured_v": 16.0 if v_bpd is None else 1.03 * side}, \
+        {"measured_k": 1.02 * side, "measured_v": 16.0 if v_bpd is None else 1.02 * side}
+    got = [(1.0, over), (2.0, at), (3.0, at)]
+    out = KS.search(ctx, "kivi", {}, 4.0, v_bpd, cands, lambda m: got.pop(0))
+    assert out["knobs"] == cands[1] and out["ppl"] == 2.0
+    first = out["candidates"][0]
+    assert first["ppl"] == 1.0 and first["measured_bpd_k"] == 1.03 * side
+    assert first["over_ceiling"].startswith("bpd_K 4.12" if v_bpd is None else "bpd_KV 4.12")
+    assert "over_ceiling" not in out["candidates"][1]
+    with pytest.raises(Unsupported, match="no knob candidate is reachable under the ceiling"):
+        KS.search(ctx, "kivi", {}, 4.0, v_bpd, cands, lambda m: (1.0, over))
+
+
+def test_elsewhere_the_heldout_excess_over_the_formula_is_added_to_the_prediction():
+    """A job at 2048 positions, held-out windows of 64: the job's figure is the candidate's
+    prediction plus the held-out end-of-sequence bpd beyond ``nominal_bpd`` at 64 tokens."""
+    ctx = _ctx(stats=_stats())
+    method = build_method("kivi")
+    method.set_regime(QALL)
+    cand = KS.candidates(ctx, method, 4.0, None)[0]
+    probe = build_method("kivi")
+    probe.set_regime(QALL)
+    probe.use_knobs(cand)
+    probe.configure(SHAPE, 4.0, None)
+    nk, nv = probe.nominal_bpd(64)
+    predicted = probe.knobs()["predicted"]["bpd_k"]
+    room = 1.02 * 4.0 - predicted
+    measured = {"measured_k": 99.0, "measured_v": 99.0, "end_k": nk + room / 2, "end_v": nv}
+    row = KS.search(ctx, "kivi", {}, 4.0, None, [cand], lambda m: (1.0, measured))["candidates"][0]
+    assert row["measured_bpd_k"] == pytest.approx(predicted + room / 2) and "over_ceiling" not in row
+    measured["end_k"] = nk + room + 0.01
+    with pytest.raises(Unsupported, match="bpd_K 4.09 as the held-out windows measure it"):
+        KS.search(ctx, "kivi", {}, 4.0, None, [cand], lambda m: (1.0, measured))
+
+
 def test_an_inadmissible_candidate_is_recorded_and_never_chosen():
     ctx = _ctx()
     bad = {"bits": 8, "group": 32, "residual": 128, "v_bits": None, "v_group": None}
@@ -133,8 +180,19 @@ def test_a_job_runs_the_search_and_records_it(tmp_path, tiny_checkpoint, monkeyp
     else:
         assert r["knobs"]["block"] == ks["knobs"]["block"]
     assert r["bpd"]["measured_k"] <= 1.02 * bpd
+    _measured_as_predicted(ks)
     again = _job(tmp_path / "b", tiny_checkpoint, f"method={method}", f"bpd={bpd}")
     assert again["knob_search"]["cache_hit"] is True and again["knob_search"]["knobs"] == ks["knobs"]
+
+
+def _measured_as_predicted(ks):
+    """These methods' bits do not depend on the data: the figure the held-out windows measure for
+    each candidate, carried to the job's regime (256 tokens against held-out windows of 128), is
+    its prediction."""
+    for c in ks["candidates"]:
+        assert "over_ceiling" not in c
+        assert c["measured_bpd_k"] == pytest.approx(c["predicted_bpd_k"], rel=1e-9, abs=1e-9), c
+        assert c["measured_bpd_v"] == pytest.approx(c["predicted_bpd_v"] or 16.0, rel=1e-9, abs=1e-9), c
 
 
 # ---- SVDq, KQ-SVD, KV-COBRA: their grids (docs/methods.md §3.3, §4.3, §5.12) -----------------
@@ -236,6 +294,7 @@ def test_a_job_searches_the_knobs_of_the_latent_codecs(tmp_path, tiny_checkpoint
     assert ks["ppl"] == min(c["ppl"] for c in ks["candidates"])
     assert r["knobs"]["fit"]["chosen_by"] == "held-out knob search"
     assert r["bpd"]["measured_k"] <= 1.02 * bpd
+    _measured_as_predicted(ks)
     if method == "svdq":
         assert r["knobs"]["group_tokens"] == ks["knobs"]["group"]
     else:

@@ -261,7 +261,7 @@ def test_the_knob_search_scores_on_the_heldout_windows(tokenizer, dataset, monke
     from methods.base import ModelShape
 
     seen = []
-    monkeypatch.setattr(KS, "heldout_ppl", lambda ctx, method, windows: seen.append(windows) or 1.0)
+    monkeypatch.setattr(KS, "heldout_scored", lambda ctx, method, windows: seen.append(windows) or (1.0, None))
     spec = CalibrationSpec(dataset=dataset, split="train", n_windows=16, seqlen=1024, seed=3)
     ctx = SimpleNamespace(tokenizer=tokenizer, spec=spec, shape=ModelShape(30, 9, 3, 64), stats=None, seed=0,
                           regime=Regime("qall", 2048))

@@ -23,7 +23,7 @@ from methods import Unsupported
 
 from ..context import JobContext
 from ..model.batching import largest_fitting
-from ..model.compressed_lm import CompressedLM
+from ..model.compressed_lm import CompressedLM, summarize_readings
 from ..model.integrate import attached
 from ..model.perplexity import perplexity
 
@@ -46,32 +46,50 @@ def fit_candidate(ctx: JobContext, method, bpd_k: float | None, bpd_v: float | N
 
 def heldout_ppl(ctx: JobContext, method, windows, track: str = "A", context: int | None = None) -> float:
     """Perplexity of ``windows`` through the model with ``method`` attached, the windows run
-    :func:`fit_batch` at a time."""
-    nll = heldout_nll(ctx, method, windows, track, context)
-    return math.exp(sum(s for s, _ in nll) / sum(n for _, n in nll))
+    ``ctx.batch`` at a time (``auto`` on CUDA: the largest batch that fits)."""
+    return _ppl(heldout_nll(ctx, method, windows, track, context))
+
+
+def heldout_scored(ctx: JobContext, method, windows) -> tuple[float, dict | None]:
+    """Q-all perplexity of ``windows`` and the bpd measured over them by the job's own rule
+    (:func:`kvbench.model.compressed_lm.summarize_readings`: ``measured_k``, ``measured_v``,
+    ``end_k``, ...; None for a model that records no readings)."""
+    nll, measured = _heldout_run(ctx, method, windows, "A", None)
+    return _ppl(nll), measured
 
 
 def heldout_window_ppl(ctx: JobContext, method, windows) -> list[float]:
-    """Each window's own Q-all perplexity, the windows run :func:`fit_batch` at a time."""
+    """Each window's own Q-all perplexity, the windows run ``ctx.batch`` at a time."""
     return [math.exp(s / n) for s, n in heldout_nll(ctx, method, windows, "A", None)]
 
 
 def heldout_nll(ctx: JobContext, method, windows, track: str, context: int | None) -> list[tuple[float, int]]:
     """(summed NLL, predicted tokens) of every window in order. A batch gives what its rows give
     alone (tests/test_batch_equality.py), so the batch never changes a search's outcome."""
+    return _heldout_run(ctx, method, windows, track, context)[0]
+
+
+def _heldout_run(ctx: JobContext, method, windows, track: str,
+                 context: int | None) -> tuple[list[tuple[float, int]], dict | None]:
+    """:func:`heldout_nll` and the readings' summary of the same pass."""
     with attached(ctx.model, method) as comp:
         lm = CompressedLM(ctx.model, ctx.tokenizer, comp)
         out: list[tuple[float, int]] = []
 
         def run(n: int) -> None:
             out.clear()
+            lm.readings.clear()  # an attempt stopped by an out-of-memory error leaves nothing
             perplexity(lm, windows, track, context, each=lambda s, c: out.append((s, c)), batch_size=n)
 
         if ctx.batch == "auto" and lm.device.type == "cuda":
             largest_fitting(run, cap=len(windows))
         else:
             run(1 if ctx.batch == "auto" else int(ctx.batch))
-        return out
+        return out, summarize_readings(lm.readings)
+
+
+def _ppl(nll: list[tuple[float, int]]) -> float:
+    return math.exp(sum(s for s, _ in nll) / sum(n for _, n in nll))
 
 
 def lowest(scored: list[dict], tie: Callable[[dict], object], none_reachable: str) -> dict:
