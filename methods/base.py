@@ -191,6 +191,13 @@ class KVMethod:
     seeded: ClassVar[bool] = False
     #: token eviction keeps whole tokens, so one budget covers K and V alike (docs/design.md §3)
     evicts_tokens: ClassVar[bool] = False
+    #: whether one layer state can take B rows of equal length in one ``attend`` call and give each
+    #: row what it gives alone: every operation carries the batch dimension (no group, statistic,
+    #: score or kept set pools over rows) and the bits held and read are the same for every row
+    #: (they depend on the positions, not the data), so a row's are the state's / B. The harness
+    #: then runs a Q-all pass of equal-length rows through one state per layer, not one per row
+    #: (docs/design.md §2.1); tests/test_batch_equality.py checks both forms for every method.
+    rows_in_one_state: ClassVar[bool] = False
 
     def configure(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None) -> None:
         """Choose knobs for the targets; raise :class:`Unsupported` if they cannot be met."""

@@ -155,6 +155,7 @@ class Cobra(KVMethod):
     """
 
     name: ClassVar[str] = "cobra"
+    rows_in_one_state: ClassVar[bool] = True  # per-token codes; bits fixed by the allocation
     needs_calibration: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
 

@@ -14,6 +14,7 @@ from .codec_state import CodecLayerState, ExactCodec
 @dataclass
 class Fp16(KVMethod):
     name = "fp16"
+    rows_in_one_state = True
 
     def configure(self, shape, bpd_k, bpd_v):
         """Nothing to choose: 16 bits per element for any target."""

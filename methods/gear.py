@@ -46,6 +46,7 @@ class Gear(KVMethod):
     joint_kv: with both targets, fit their mean instead of each side (:func:`fit_joint`)."""
 
     name = "gear"
+    rows_in_one_state = True  # blocks, outliers and rank per row; one Ω for all rows
     seeded = True
 
     bits: int | None = None

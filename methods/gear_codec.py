@@ -171,12 +171,13 @@ def _mix(*parts: int) -> int:
 
 def draw_omegas(seed: int, layer: int, side: str, blocks: int, n: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
     """Omega ~ U[0,1) [B, H, d, r] (``shape``) for ``blocks`` blocks of ``n`` tokens, as the view
-    [B, H, blocks, d, r] (§15.4): one draw per (seed, layer, side, block length) from its own
-    generator, shared by every block of that layer and side, so that any set of blocks (a whole
-    pass, or one block at a time while decoding) is compressed identically, with one draw."""
+    [B, H, blocks, d, r] (§15.4): one draw [H, d, r] per (seed, layer, side, block length) from its
+    own generator, shared by every block of that layer and side and by every row, so that any set
+    of blocks (a whole pass, or one block at a time while decoding) and any batch of rows is
+    compressed as each row alone, with one draw."""
     side_id = 0 if side == "k" else 1
     g = torch.Generator().manual_seed(_mix(seed, layer, side_id, n))
-    omega = torch.rand(shape, generator=g, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
+    omega = torch.rand((1, *shape[1:]), generator=g, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
     return omega[:, :, None].expand(shape[0], shape[1], blocks, *shape[2:])
 
 

@@ -81,6 +81,7 @@ class H2O(KVMethod):
     """
 
     name = "h2o"
+    rows_in_one_state = True  # scores and kept sets per row; the kept count by position
     evicts_tokens = True
 
     heavy_ratio: float | None = None

@@ -386,6 +386,7 @@ class Kivi(KVMethod):
     ``configure`` leaves these options untouched and records its choice in ``knobs()``."""
 
     name = "kivi"
+    rows_in_one_state = True  # groups, residual window and bits per row and position
 
     bits: int | None = None
     v_bits: int | None = None

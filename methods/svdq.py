@@ -462,6 +462,7 @@ class SVDq(KVMethod):
     measures); v_bits/v_group: value quantizer (None = values exact unless ``bpd_v`` is given)."""
 
     name = "svdq"
+    rows_in_one_state = True  # per-sequence bases per row (batched SVD); bits by position
     needs_calibration = True
 
     basis: str = "auto"

@@ -57,6 +57,7 @@ class TurboQuant(KVMethod):
     (§16.3 ablation, mse keys)."""
 
     name: ClassVar[str] = "turboquant"
+    rows_in_one_state: ClassVar[bool] = True  # per-token codes and norms; bits by plan
     needs_calibration: ClassVar[bool] = True  # the harness's seed (and the split's energies)
     seeded: ClassVar[bool] = True
 

@@ -112,6 +112,42 @@ def test_padded_logits_equal_each_row_alone(lm):
     _same_readings(batched, alone)
 
 
+def test_equal_length_rows_equal_each_row_alone(lm, monkeypatch):
+    """Unpadded rows (PPL windows): a method whose state takes rows together
+    (``rows_in_one_state``) runs them through one state per layer, the others one state per row;
+    either way each row's logits and readings are its own."""
+    if not lm.supports_in_pass:
+        pytest.skip(f"{lm.method.name} has no single-pass simulation")
+    rows = _rows([36, 36, 36], seed=7)
+    states = []
+    if lm.compressor is not None:
+        make = lm.compressor.method.new_layer_state
+        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
+    out = lm.logits(torch.stack(rows), scored=[36, 9, 1])
+    batched = lm.readings[-3:]
+    if lm.compressor is not None:
+        layers = lm.compressor.shape.n_layers
+        assert len(states) == layers * (1 if lm.compressor.method.rows_in_one_state else 3)
+    alone = []
+    for i, (r, s) in enumerate(zip(rows, [36, 9, 1])):
+        single = lm.logits(r[None], scored=s)
+        alone.append(lm.readings[-1])
+        assert (out[i] - single[0]).abs().max() <= 1e-9
+    _same_readings(batched, alone)
+
+
+def test_rows_in_one_state_where_the_bits_follow_the_positions():
+    """The methods that declare it: every registered one but KVQuant (its outlier count per row
+    depends on the data) and SnapKV (no single pass); compose when both parts do and the codec is
+    post-RoPE (a pre-RoPE codec's kept positions cost what the kept set makes them)."""
+    together = {n for n in REGISTRY if n != "compose" and REGISTRY[n].rows_in_one_state}
+    assert together == set(REGISTRY) - {"compose", "kvquant", "snapkv"}
+    assert build_method("compose", evict="h2o", codec="kivi").rows_in_one_state
+    assert build_method("compose", evict="h2o", codec="turboquant").rows_in_one_state
+    assert not build_method("compose", evict="snapkv", codec="kivi").rows_in_one_state
+    assert not build_method("compose", evict="h2o", codec="cobra_kl").rows_in_one_state
+
+
 def test_batched_scoring_equals_each_row_alone(lm):
     contexts = _rows([30, 21, 26], seed=4)
     targets = _rows([6, 1, 4], seed=5)

@@ -124,8 +124,10 @@ class Compressor:
     Rows: a forward pass may carry B token rows, padded (:mod:`kvbench.model.batching`). Each row
     has its own layer states (inside a session: ``states[row][layer]``; in a Q-all pass: fresh
     ones), and :meth:`attend` hands each row only its real tokens, so padding never reaches a
-    method and every row computes and measures what it would alone. The bookkeeping is per row:
-    :meth:`read_bpd` and :meth:`measured_bpd` take the row."""
+    method and every row computes and measures what it would alone. A Q-all pass of unpadded rows
+    of a method whose state takes rows together (``KVMethod.rows_in_one_state``) runs them through
+    one state per layer, B rows per kernel launch. The bookkeeping is per row: :meth:`read_bpd`
+    and :meth:`measured_bpd` take the row."""
 
     model: torch.nn.Module
     method: KVMethod
@@ -158,8 +160,11 @@ class Compressor:
         b, t = q.shape[0], q.shape[2]
         rows = self._rows or list(range(b))
         self._row_lists(max(rows) + 1)
-        if b == 1 and (self._padded is None or not self._padded.ragged):
+        ragged = self._padded is not None and self._padded.ragged
+        if b == 1 and not ragged:
             return self._attend_row(rows[0], layer, q, k, v, k_pre, Rope(cos, sin), scaling)
+        if self.states is None and not ragged and self.method.rows_in_one_state:
+            return self._attend_rows(rows, layer, q, k, v, k_pre, Rope(cos, sin), scaling)
         out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
         for i, row in enumerate(rows):
             cols = self._padded.valid(i) if self._padded is not None else slice(0, t)
@@ -178,6 +183,17 @@ class Compressor:
         bits_k, bits_v = state.stored_bits()
         self.last_bits[row][layer] = (bits_k, bits_v, state.n_seen)
         self.last_reads[row][layer] = state.read_bits()
+        return out
+
+    def _attend_rows(self, rows: list, layer: int, q, k, v, k_pre, rope: Rope, scaling: float) -> torch.Tensor:
+        """A Q-all pass of equal-length rows through one fresh state (the method's
+        ``rows_in_one_state``): each row's bits held and read are the state's / B."""
+        state = self.method.new_layer_state(layer)
+        out = state.attend(q, k, v, scaling=scaling, prefill=self.prefill, k_pre=k_pre, rope=rope)
+        (bits_k, bits_v), reads, b = state.stored_bits(), state.read_bits(), len(rows)
+        for row in rows:
+            self.last_bits[row][layer] = (bits_k / b, bits_v / b, state.n_seen)
+            self.last_reads[row][layer] = None if reads is None else (reads[0] / b, reads[1] / b)
         return out
 
     def read_bpd(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:

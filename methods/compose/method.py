@@ -110,6 +110,9 @@ class Compose(KVMethod):
         # capability flags of the parts (the class defaults describe no instance)
         self.needs_calibration = self._codec.needs_calibration
         self.supports_in_pass = self._evictor.supports_in_pass
+        # the kept tokens' stored positions of a pre-RoPE codec (§12.3) cost what the kept set makes them
+        self.rows_in_one_state = (self._evictor.rows_in_one_state and self._codec.rows_in_one_state
+                                  and self.codec not in PRE_ROPE_CODECS)
         self._shape = None
         self._rho = None
         self._knobs: dict = {}
