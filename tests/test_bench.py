@@ -78,12 +78,23 @@ def test_rows_cover_every_method(report):
         assert d["bytes_held"] > 0 and len(d["measured_bpd"]) == len(d["nominal_bpd"]) == 2
     ops = {(r["detail"]["method"], r["detail"]["regime"]) for r in by["opcount"]}
     every = METHODS | BASELINES | {"fp16", "snapkv"}
-    assert ops == {(m, "decode") for m in every} | {(m, "one-pass") for m in every - {"snapkv"}}
+    assert ops == ({(m, "decode") for m in every} | {(m, "one-pass") for m in every - {"snapkv"}}
+                   | {(m, "rows") for m in every - {"snapkv"}})
     assert {r["detail"]["method"] for r in by["e2e"]} == METHODS | BASELINES | {"snapkv", "plain"}
 
 
 def test_opcount_rows(report):
     rows = _by_section(report)["opcount"]
+    for row in (r for r in rows if r["detail"]["regime"] == "rows"):  # 4 rows against one
+        d = row["detail"]
+        assert row["value"] == pytest.approx(d["kernels_per_layer"] / d["kernels_per_layer_one_row"])
+        together = d["method"] not in ("kvquant",)
+        assert d["rows_in_one_state"] is together
+        assert (row["op"], row["target"]) == (("<=", 1.25) if together and not d["plain_model"] else ("info", 0.0))
+        assert row["verdict"] == ("PASS" if together and not d["plain_model"] else "INFO"), row
+        if not together:  # one state per row: the attention's ops times the rows
+            assert row["value"] > 3.0
+    rows = [r for r in rows if r["detail"]["regime"] != "rows"]
     plain = {r["detail"]["regime"]: r for r in rows if r["detail"]["plain_model"]}
     for row in rows:
         d = row["detail"]

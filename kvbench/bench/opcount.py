@@ -64,12 +64,18 @@ Decisions where docs/methods.md is silent (it says nothing about performance):
   4 bpd on K and V). KVQuant's fit reads a key/value sample: drawn from the synthetic moments
   (:func:`kvbench.bench.common.synthetic_stats`).
 
+* **rows** — the one-pass of :data:`ROWS` unpadded rows of :data:`ROWS_TOKENS` tokens (PPL windows
+  at a batch) against one such row: what a batch multiplies the attention's launches by. The
+  plain model, and a method whose state takes the rows together (``KVMethod.rows_in_one_state``,
+  docs/design.md §2.1), launch what one row launches; a method run row by row, B times that.
+
 Targets: the codecs (KIVI, SVDq, KQ-SVD, KV-COBRA, and the published competitors KVQuant, GEAR
 and TurboQuant) at most 3x FP16's ops per layer, per decode step and per one-pass forward (GEAR's
 decode figure is the mean over whole flush cycles of its n_b-token buffer: :func:`decode_steps`); H2O's one-pass at most 3x FP16's ops per layer **per window** (the whole
 2048-token recursion: a bound that does not grow with the window, so an implementation that
 launches ops per token misses it at any window longer than a few tokens; the per-token figure is
-in the note). Other rows are informational.
+in the note); rows: a method that declares ``rows_in_one_state`` at most :data:`ROWS_RATIO` x its
+ops at one row. Other rows are informational.
 """
 
 from __future__ import annotations
@@ -130,6 +136,11 @@ CODEC_RATIO = 3.0
 H2O_WINDOW_RATIO = 3.0
 #: layers of the model whose attention geometry the count uses (Llama-3.1-8B)
 TARGET_LAYERS = 32
+#: the rows regime: unpadded rows per pass and their length (at most ``ops_tokens``)
+ROWS, ROWS_TOKENS = 4, 256
+#: a method whose state takes the rows together: at most this many times its ops at one row (a
+#: row-by-row pass launches about ROWS times them)
+ROWS_RATIO = 1.25
 
 
 def opcount_config(layers: int = 2):
@@ -390,7 +401,34 @@ def run(sizes: Sizes, device: torch.device, cases=CASES) -> list[Row]:
         if method is None or method.supports_in_pass:
             log.info("opcount: %s one-pass over %d tokens", label, t)
             counts[label, "one-pass"] = one_pass(model, method, prompt, None if sizes.name == "smoke" else TARGET_LAYERS)
-    return rows_from(counts, t, steps, layers, shape)
+            rows = torch.randint(0, int(model.config.vocab_size), (ROWS, min(ROWS_TOKENS, t)), generator=g).to(device)
+            log.info("opcount: %s one-pass of %d rows of %d tokens", label, ROWS, rows.shape[1])
+            counts[label, "rows"] = (one_pass(model, method, rows[:1]), one_pass(model, method, rows))
+    return rows_from(counts, t, steps, layers, shape) + rows_regime(counts, methods, layers)
+
+
+def rows_regime(counts: dict, methods: dict, layers: int) -> list[Row]:
+    """Rows regime: device ops per layer of :data:`ROWS` unpadded rows over one row's, per method
+    (``methods``: label -> configured method, None for the plain model)."""
+    out = []
+    for label, method in methods.items():
+        if (label, "rows") not in counts:
+            continue
+        one, many = (c.per(layers)["kernels"] for c in counts[label, "rows"])
+        ratio = many / one
+        together = method is None or method.rows_in_one_state
+        detail = {"method": "fp16" if method is None else method.name, "plain_model": method is None,
+                  "regime": "rows", "rows": ROWS, "kernels_per_layer": many, "kernels_per_layer_one_row": one,
+                  "rows_in_one_state": together}
+        note = (f"{many:.1f} device ops per layer for {ROWS} rows vs {one:.1f} for one; "
+                + ("one state per layer" if together else "one state per row and layer"))
+        if method is not None and together:
+            out.append(Row("opcount", f"{label} one-pass, {ROWS} rows", "ops / one row's ops", ratio, "x", "<=",
+                           ROWS_RATIO, shown=f"{ratio:.2f}x ({many:.1f})", detail=detail, note=note))
+        else:
+            out.append(Row("opcount", f"{label} one-pass, {ROWS} rows", "ops / one row's ops", ratio, "x", "info",
+                           0.0, shown=f"{ratio:.2f}x ({many:.1f})", detail=detail, note=note))
+    return out
 
 
 def decode_steps(method, steps: int) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from methods import KVMethod, ModelShape, Rope
+from methods.bookkeeping import host_ops
 
 from .batching import Padded
 
@@ -191,9 +192,11 @@ class Compressor:
         state = self.method.new_layer_state(layer)
         out = state.attend(q, k, v, scaling=scaling, prefill=self.prefill, k_pre=k_pre, rope=rope)
         (bits_k, bits_v), reads, b = state.stored_bits(), state.read_bits(), len(rows)
+        with host_ops():  # float64 CPU bookkeeping
+            share = None if reads is None else (reads[0] / b, reads[1] / b)
         for row in rows:
             self.last_bits[row][layer] = (bits_k / b, bits_v / b, state.n_seen)
-            self.last_reads[row][layer] = None if reads is None else (reads[0] / b, reads[1] / b)
+            self.last_reads[row][layer] = share
         return out
 
     def read_bpd(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
