@@ -136,6 +136,28 @@ def test_equal_length_rows_equal_each_row_alone(lm, monkeypatch):
     _same_readings(batched, alone)
 
 
+def test_equal_length_scoring_equals_each_row_alone(lm, monkeypatch):
+    """Equal contexts and equal continuations (PPL track B windows): a method whose state takes
+    rows together holds them in one session state per layer; each row scores and measures what it
+    does alone (prefill-exact, then decode semantics)."""
+    contexts, targets = _rows([28, 28, 28], seed=8), _rows([6, 6, 6], seed=9)
+    states = []
+    if lm.compressor is not None:
+        make = lm.compressor.method.new_layer_state
+        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
+    out = lm.score_rows(contexts, targets)
+    batched = lm.readings[-3:]
+    if lm.compressor is not None:
+        layers = lm.compressor.shape.n_layers
+        assert len(states) == layers * (1 if lm.compressor.method.rows_in_one_state else 3)
+    alone = []
+    for c, t, got in zip(contexts, targets, out):
+        single = lm.score(c[None], t[None])[0]
+        alone.append(lm.readings[-1])
+        assert (got - single).abs().max() <= 1e-9
+    _same_readings(batched, alone)
+
+
 def test_rows_in_one_state_where_the_bits_follow_the_positions():
     """The methods that declare it: every registered one but KVQuant (its outlier count per row
     depends on the data) and SnapKV (no single pass); compose when both parts do and the codec is

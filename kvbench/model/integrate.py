@@ -133,8 +133,10 @@ class Compressor:
     model: torch.nn.Module
     method: KVMethod
     shape: ModelShape
-    #: inside a session: per row, one layer state per layer
+    #: inside a session: per row, one layer state per layer (rows together: one list, shared)
     states: list | None = None
+    #: whether the open session runs its rows in one state per layer (:meth:`session`)
+    together: bool = False
     prefill: bool = False
     #: per row, per layer (bits_k, bits_v, tokens) after the row's last forward pass
     last_bits: list = field(default_factory=list)
@@ -164,6 +166,10 @@ class Compressor:
         ragged = self._padded is not None and self._padded.ragged
         if b == 1 and not ragged:
             return self._attend_row(rows[0], layer, q, k, v, k_pre, Rope(cos, sin), scaling)
+        if self.together:
+            if ragged or rows != list(range(len(self.last_bits))):
+                raise RuntimeError("a session of rows in one state takes all its rows, unpadded, in every pass")
+            return self._attend_rows(rows, layer, q, k, v, k_pre, Rope(cos, sin), scaling, self.states[0][layer])
         if self.states is None and not ragged and self.method.rows_in_one_state:
             return self._attend_rows(rows, layer, q, k, v, k_pre, Rope(cos, sin), scaling)
         out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
@@ -186,10 +192,12 @@ class Compressor:
         self.last_reads[row][layer] = state.read_bits()
         return out
 
-    def _attend_rows(self, rows: list, layer: int, q, k, v, k_pre, rope: Rope, scaling: float) -> torch.Tensor:
-        """A Q-all pass of equal-length rows through one fresh state (the method's
-        ``rows_in_one_state``): each row's bits held and read are the state's / B."""
-        state = self.method.new_layer_state(layer)
+    def _attend_rows(self, rows: list, layer: int, q, k, v, k_pre, rope: Rope, scaling: float,
+                     state=None) -> torch.Tensor:
+        """Equal-length rows through one state (the method's ``rows_in_one_state``): a fresh one in
+        a Q-all pass, the session's in a session of rows together; each row's bits held and read
+        are the state's / B."""
+        state = self.method.new_layer_state(layer) if state is None else state
         out = state.attend(q, k, v, scaling=scaling, prefill=self.prefill, k_pre=k_pre, rope=rope)
         (bits_k, bits_v), reads, b = state.stored_bits(), state.read_bits(), len(rows)
         with host_ops():  # float64 CPU bookkeeping
@@ -234,17 +242,25 @@ class Compressor:
             self._padded = self._rows = None
 
     @contextlib.contextmanager
-    def session(self, rows: int = 1):
+    def session(self, rows: int = 1, together: bool = False):
         """A persistent compressed cache of ``rows`` sequences for the forward passes inside the
-        block."""
+        block. ``together`` (a method whose state takes rows together, every pass carrying all the
+        rows unpadded: equal-length contexts, then equal-length continuations): one state per
+        layer holds them all."""
+        if together and not self.method.rows_in_one_state:
+            raise ValueError(f"{self.method.name}: its layer state does not take rows together")
+        self.together = together and rows > 1
+        count = 1 if self.together else rows
         self.states = [[self.method.new_layer_state(i) for i in range(self.shape.n_layers)]
-                       for _ in range(rows)]
+                       for _ in range(count)]
         self.last_bits, self.last_reads = [], []
+        self._row_lists(rows)
         try:
             yield self
         finally:
             self.states = None
             self.prefill = False
+            self.together = False
 
     def forward(self, input_ids: torch.Tensor, start, prefill: bool, last: int = 0,
                 padded: Padded | None = None, rows: list | None = None) -> torch.Tensor:
