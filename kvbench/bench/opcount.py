@@ -65,7 +65,8 @@ Decisions where docs/methods.md is silent (it says nothing about performance):
   (:func:`kvbench.bench.common.synthetic_stats`).
 
 * **rows** — the one-pass of :data:`ROWS` unpadded rows of :data:`ROWS_TOKENS` tokens (PPL windows
-  at a batch) against one such row: what a batch multiplies the attention's launches by. The
+  at a batch) against one such row, both warm (without the per-pass setup :func:`one_pass` finds):
+  what a batch multiplies the attention's launches by. The
   plain model, and a method whose state takes the rows together (``KVMethod.rows_in_one_state``,
   docs/design.md §2.1), launch what one row launches; a method run row by row, B times that.
 
@@ -414,7 +415,8 @@ def rows_regime(counts: dict, methods: dict, layers: int) -> list[Row]:
     for label, method in methods.items():
         if (label, "rows") not in counts:
             continue
-        one, many = (c.per(layers)["kernels"] for c in counts[label, "rows"])
+        # warm passes: a per-pass setup (a mask cached per pass length) is not what the rows multiply
+        one, many = ((c.kernels - c.setup_per_pass) / layers for c in counts[label, "rows"])
         ratio = many / one
         together = method is None or method.rows_in_one_state
         detail = {"method": "fp16" if method is None else method.name, "plain_model": method is None,
