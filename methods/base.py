@@ -198,6 +198,10 @@ class KVMethod:
     #: then runs a Q-all pass of equal-length rows through one state per layer, not one per row
     #: (docs/design.md §2.1); tests/test_batch_equality.py checks both forms for every method.
     rows_in_one_state: ClassVar[bool] = False
+    #: whether, after a Q-all pass, the cache holds exactly what its last query read (a per-token
+    #: codec; not one that compresses a window or evicts after the read): then rows of different
+    #: lengths, right-padded, can share one state too, each row's end figure being its last read
+    holds_last_read: ClassVar[bool] = False
 
     def configure(self, shape: ModelShape, bpd_k: float | None, bpd_v: float | None) -> None:
         """Choose knobs for the targets; raise :class:`Unsupported` if they cannot be met."""

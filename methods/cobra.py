@@ -156,6 +156,7 @@ class Cobra(KVMethod):
 
     name: ClassVar[str] = "cobra"
     rows_in_one_state: ClassVar[bool] = True  # per-token codes; bits fixed by the allocation
+    holds_last_read: ClassVar[bool] = True
     needs_calibration: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
 

@@ -15,6 +15,7 @@ from .codec_state import CodecLayerState, ExactCodec
 class Fp16(KVMethod):
     name = "fp16"
     rows_in_one_state = True
+    holds_last_read = True
 
     def configure(self, shape, bpd_k, bpd_v):
         """Nothing to choose: 16 bits per element for any target."""

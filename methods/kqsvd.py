@@ -137,6 +137,7 @@ class KQSVD(KVMethod):
 
     name: ClassVar[str] = "kqsvd"
     rows_in_one_state: ClassVar[bool] = True  # per-token codes; bits fixed by the allocation
+    holds_last_read: ClassVar[bool] = True
     needs_calibration: ClassVar[bool] = True
     seeded: ClassVar[bool] = True  # random signs of the value rotation
 

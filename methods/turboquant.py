@@ -58,6 +58,7 @@ class TurboQuant(KVMethod):
 
     name: ClassVar[str] = "turboquant"
     rows_in_one_state: ClassVar[bool] = True  # per-token codes and norms; bits by plan
+    holds_last_read: ClassVar[bool] = True
     needs_calibration: ClassVar[bool] = True  # the harness's seed (and the split's energies)
     seeded: ClassVar[bool] = True
 

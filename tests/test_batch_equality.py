@@ -94,7 +94,10 @@ def _same_readings(batched, alone):
                 assert x == pytest.approx(y, rel=1e-12, abs=1e-12), key
 
 
-def test_padded_logits_equal_each_row_alone(lm):
+def test_padded_logits_equal_each_row_alone(lm, monkeypatch):
+    """Right-padded rows (lm-eval's layout): one state per layer for a method whose state takes
+    rows together and holds what its last query read (its rows' end figures are their last
+    reads), one state per row otherwise."""
     if not lm.supports_in_pass:
         pytest.skip(f"{lm.method.name} has no single-pass simulation")
     rows = _rows([40, 23, 33], seed=3)
@@ -102,8 +105,15 @@ def test_padded_logits_equal_each_row_alone(lm):
     ids = torch.ones(len(rows), 40, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : r.numel()] = r
+    states = []
+    if lm.compressor is not None:
+        make = lm.compressor.method.new_layer_state
+        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
     out = lm.logits(ids, scored=scored, lengths=[r.numel() for r in rows])
     batched = lm.readings[-len(rows):]
+    if lm.compressor is not None:
+        m = lm.compressor.method
+        assert len(states) == lm.compressor.shape.n_layers * (1 if m.rows_in_one_state and m.holds_last_read else 3)
     alone = []
     for i, r in enumerate(rows):
         single = lm.logits(r[None], scored=scored[i])
@@ -161,9 +171,13 @@ def test_equal_length_scoring_equals_each_row_alone(lm, monkeypatch):
 def test_rows_in_one_state_where_the_bits_follow_the_positions():
     """The methods that declare it: every registered one but KVQuant (its outlier count per row
     depends on the data) and SnapKV (no single pass); compose when both parts do and the codec is
-    post-RoPE (a pre-RoPE codec's kept positions cost what the kept set makes them)."""
+    post-RoPE (a pre-RoPE codec's kept positions cost what the kept set makes them). Right-padded
+    rows share a state only where the cache holds what its last query read: the per-token codecs
+    (KIVI's window, SVDq's and GEAR's blocks and H2O's eviction change the cache after the read)."""
     together = {n for n in REGISTRY if n != "compose" and REGISTRY[n].rows_in_one_state}
     assert together == set(REGISTRY) - {"compose", "kvquant", "snapkv"}
+    ragged = {n for n in REGISTRY if REGISTRY[n].rows_in_one_state and REGISTRY[n].holds_last_read}
+    assert ragged == {"fp16", "kqsvd", "cobra_mse", "cobra_kl", "cobra_plus", "turboquant"}
     assert build_method("compose", evict="h2o", codec="kivi").rows_in_one_state
     assert build_method("compose", evict="h2o", codec="turboquant").rows_in_one_state
     assert not build_method("compose", evict="snapkv", codec="kivi").rows_in_one_state

@@ -170,8 +170,10 @@ class Compressor:
             if ragged or rows != list(range(len(self.last_bits))):
                 raise RuntimeError("a session of rows in one state takes all its rows, unpadded, in every pass")
             return self._attend_rows(rows, layer, q, k, v, k_pre, Rope(cos, sin), scaling, self.states[0][layer])
-        if self.states is None and not ragged and self.method.rows_in_one_state:
-            return self._attend_rows(rows, layer, q, k, v, k_pre, Rope(cos, sin), scaling)
+        right = ragged and self._padded.side == "right" and self.method.holds_last_read
+        if self.states is None and self.method.rows_in_one_state and (not ragged or right):
+            lengths = self._padded.lengths if ragged else None
+            return self._attend_rows(rows, layer, q, k, v, k_pre, Rope(cos, sin), scaling, lengths=lengths)
         out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
         for i, row in enumerate(rows):
             cols = self._padded.valid(i) if self._padded is not None else slice(0, t)
@@ -193,18 +195,26 @@ class Compressor:
         return out
 
     def _attend_rows(self, rows: list, layer: int, q, k, v, k_pre, rope: Rope, scaling: float,
-                     state=None) -> torch.Tensor:
-        """Equal-length rows through one state (the method's ``rows_in_one_state``): a fresh one in
-        a Q-all pass, the session's in a session of rows together; each row's bits held and read
-        are the state's / B."""
+                     state=None, lengths: list | None = None) -> torch.Tensor:
+        """Rows through one state (the method's ``rows_in_one_state``): a fresh one in a Q-all
+        pass, the session's in a session of rows together; each row's bits held and read are the
+        state's / B. ``lengths``: right-padded rows of a Q-all pass (a method that
+        ``holds_last_read``). A Q-all pass is decoding, so no real position reads a later column:
+        padding at a row's end changes none of its outputs or reads, and what the row holds at its
+        end is what its last real query read."""
         state = self.method.new_layer_state(layer) if state is None else state
         out = state.attend(q, k, v, scaling=scaling, prefill=self.prefill, k_pre=k_pre, rope=rope)
         (bits_k, bits_v), reads, b = state.stored_bits(), state.read_bits(), len(rows)
         with host_ops():  # float64 CPU bookkeeping
             share = None if reads is None else (reads[0] / b, reads[1] / b)
-        for row in rows:
-            self.last_bits[row][layer] = (bits_k / b, bits_v / b, state.n_seen)
-            self.last_reads[row][layer] = share
+            for i, row in enumerate(rows):
+                if lengths is None:
+                    self.last_bits[row][layer] = (bits_k / b, bits_v / b, state.n_seen)
+                    self.last_reads[row][layer] = share
+                elif lengths[i]:
+                    n = lengths[i]
+                    self.last_reads[row][layer] = (share[0][:n], share[1][:n])
+                    self.last_bits[row][layer] = (float(share[0][n - 1]), float(share[1][n - 1]), n)
         return out
 
     def read_bpd(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
