@@ -357,7 +357,7 @@ class Cobra(KVMethod):
                 "ranks": rank.tolist(),
                 "rank_mean": float(rank.double().mean()),
                 "distortion_total": float(dist.sum()),
-                "distortion_cv": float(dist.std() / dist.mean()) if dist.mean() > 0 else 0.0,
+                "distortion_cv": float(dist.std() / dist.mean()) if dist.numel() > 1 and dist.mean() > 0 else 0.0,
                 "distortion_max_over_min": float(dist.max() / dist.min()) if dist.min() > 0 else None,
                 "rotation_branches": branches,
                 "q_at_mean_bits": float(q(mean_bits[[n for n, _ in used]]).mean()) if used else 0.0,

@@ -20,7 +20,7 @@ import torch
 from .base import KVMethod, Unsupported
 from .budget import AT_TARGET, spread
 from .gear_budget import (_predict, admissible_fits, block_grid, chosen_fit, fit_joint, fit_knobs, headline,
-                          knob_options, why_unreachable)
+                          joint_fits, knob_options, why_unreachable)
 from .gear_codec import (KCOUNTS, LEVELS, PAPER, PAPER_PROMPT_RANK, SIDE_KNOBS, GearPacked, SideCodec,
                          decode_blocks, draw_omegas, encode_blocks, power_iteration, sparse_backbone)
 from .gear_state import GearLayerState
@@ -107,7 +107,7 @@ class Gear(KVMethod):
         joint = self.joint_kv and bpd_k is not None and bpd_v is not None
         if joint and not explicit:
             fit = fit_joint((float(bpd_k) + float(bpd_v)) / 2, h, d, self.regime, self._opts(), self.budget,
-                            prompt_rank)
+                            prompt_rank, self.chosen_knobs)
         elif bpd_k is not None and not explicit:
             fit = fit_knobs(float(bpd_k), None if bpd_v is None else float(bpd_v), h, d, self.regime,
                             self._opts(), self.budget, prompt_rank, self.chosen_knobs)
@@ -117,8 +117,7 @@ class Gear(KVMethod):
                          "predicted_bpd_k": fit["predicted_bpd_k"], "predicted_bpd_v": fit["predicted_bpd_v"]}
             if joint:
                 self._fit["joint_kv"] = (float(bpd_k) + float(bpd_v)) / 2
-            else:
-                self._fit["chosen_by"] = "held-out knob search" if self.chosen_knobs else "preference"
+            self._fit["chosen_by"] = "held-out knob search" if self.chosen_knobs else "preference"
         else:
             block = self.block or PAPER["block"]
             kk = self._given("")
@@ -135,23 +134,27 @@ class Gear(KVMethod):
         return () if self._explicit() else ("knobs",)
 
     def knob_candidates(self, shape, bpd_k, bpd_v, limit=None):
-        """The admissible points of the fit in the job's regime (side by side; none for
-        ``joint_kv`` with both targets), :func:`admissible_fits`: the §15.6 setting first when
-        admissible, then one point per (b, r) of the keys (and of the values in the KV-track) in
-        turn, the most bits and the largest rank first, each family's points in preference order
-        (:func:`methods.budget.spread`)."""
-        if bpd_k is None or self._explicit() or (self.joint_kv and bpd_v is not None):
+        """The admissible points of the fit in the job's regime (side by side, :func:`admissible_fits`,
+        or the pairs of :func:`joint_fits` for ``joint_kv`` with both targets): the §15.6 setting
+        first when admissible, then one point per (b, r) of the keys (and of the values in the
+        KV-track) in turn, the most bits and the largest rank first, each family's points in
+        preference order (:func:`methods.budget.spread`)."""
+        if bpd_k is None or self._explicit():
             return []
         h, d = shape.n_kv_heads, shape.head_dim
         tv = None if bpd_v is None else float(bpd_v)
         prompt_rank = self._prompt_rank() if self.prompt == "one_block" else None
-        fits = admissible_fits(float(bpd_k), tv, h, d, self.regime, self._opts(), self.budget, prompt_rank)
         side = {k: PAPER[k] for k in SIDE_KNOBS}
         paper = {"block": PAPER["block"], "k": side, "v": None if tv is None else dict(side)}
-        try:
-            chosen_fit(paper, float(bpd_k), tv, h, d, self.regime, self._opts(), self.budget, prompt_rank)
-        except Unsupported:
-            paper = None
+        if self.joint_kv and tv is not None:
+            fits = joint_fits((float(bpd_k) + tv) / 2, h, d, self.regime, self._opts(), self.budget, prompt_rank)
+            paper = paper if paper in [knob_options(f) for f in fits] else None
+        else:
+            fits = admissible_fits(float(bpd_k), tv, h, d, self.regime, self._opts(), self.budget, prompt_rank)
+            try:
+                chosen_fit(paper, float(bpd_k), tv, h, d, self.regime, self._opts(), self.budget, prompt_rank)
+            except Unsupported:
+                paper = None
 
         def family(o):
             v = o["v"] or {"bits": 0, "rank": 0}

@@ -12,7 +12,7 @@ from .base import Regime, Unsupported
 from .budget import (AT_TARGET, describe, no_joint_pair, over_ceiling, scored_reads, side_unreachable,
                      under_ceiling, unreachable)
 from .gear_codec import _EPS, SideCodec
-from .joint_budget import best_pair
+from .joint_budget import admissible_pairs
 
 FIT_BITS = tuple(range(1, 9))
 GROUP_GRID = (32, 64, 128)
@@ -157,19 +157,18 @@ def fit_knobs(target_k: float, target_v: float | None, heads: int, d: int, regim
     return fits[0]
 
 
-def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, budget: str = "measured",
-              prompt_rank: int | None = None) -> dict:
-    """``joint_kv``: the (key point, value point) pair at one n_b whose mean predicted bpd is under
-    the ceiling of ``target_kv`` (1 + :data:`AT_TARGET`), first in the order of
+def joint_fits(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, budget: str = "measured",
+               prompt_rank: int | None = None) -> list[dict]:
+    """``joint_kv``: the (key point, value point) pairs at one n_b whose mean predicted bpd is under
+    the ceiling of ``target_kv`` (1 + :data:`AT_TARGET`), in the order of
     :func:`methods.joint_budget.admissible_pairs` (within the band first, the most balanced first,
-    then the cheaper pairs), then the per-side preference (keys first); :class:`Unsupported` when
-    none is."""
+    then the cheaper pairs), then the per-side preference (keys first). Of up to 288 x 288 pairs
+    per n_b, those near the band and, per key point, the dearest value point under the ceiling
+    (any cheaper one ranks below it)."""
     pairs = []
     for nb in block_grid():
         keys = _side_points("k", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
         vals = _side_points("v", target_kv, heads, d, nb, regime, opts, budget, prompt_rank)
-        # up to 288 x 288 pairs per n_b: best_pair sees those near the band and, per key point,
-        # the dearest value point under the ceiling (any cheaper one ranks below it)
         lo, hi = 2 * target_kv * (1 - AT_TARGET) - _EPS, 2 * target_kv * (1 + AT_TARGET) + _EPS
         vals = sorted(vals, key=lambda v: v[0])
         costs = [v[0] for v in vals]
@@ -177,12 +176,26 @@ def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, 
             top = bisect.bisect_right(costs, hi - k[0])
             near = bisect.bisect_left(costs, lo - k[0])
             pairs += [((k, nb), (v, nb)) for v in vals[min(near, max(0, top - 1)):top]]
-    best = best_pair(pairs, lambda p: p[0][0], target_kv, AT_TARGET, lambda kp, vp: (kp[0][1], vp[0][1]))
-    if best is None:
+    ranked = admissible_pairs(pairs, lambda p: p[0][0], target_kv, AT_TARGET, lambda kp, vp: (kp[0][1], vp[0][1]))
+    return [{"block": nb, "k": k[2], "v": v[2], "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
+            for (k, nb), (v, _) in ranked]
+
+
+def fit_joint(target_kv: float, heads: int, d: int, regime: Regime, opts: dict, budget: str = "measured",
+              prompt_rank: int | None = None, choice: dict | None = None) -> dict:
+    """The first of :func:`joint_fits`, or the pair with the knobs ``choice`` (the held-out knob
+    search's); :class:`Unsupported` when none is admissible or ``choice`` is not one of them."""
+    fits = joint_fits(target_kv, heads, d, regime, opts, budget, prompt_rank)
+    if not fits:
         raise Unsupported(no_joint_pair("gear", target_kv, regime, " at one n_b") + "; "
                           + why_unreachable(target_kv, target_kv, heads, d, regime, opts, budget, prompt_rank))
-    (k, nb), (v, _) = best
-    return {"block": nb, "k": k[2], "v": v[2], "predicted_bpd_k": k[0], "predicted_bpd_v": v[0]}
+    if choice is None:
+        return fits[0]
+    match = [f for f in fits if knob_options(f) == choice]
+    if not match:
+        raise Unsupported(f"gear: knobs {choice} are not an admissible joint pair at bpd_KV={target_kv:g} "
+                          f"in {describe(regime)}")
+    return match[0]
 
 
 def why_unreachable(target_k, target_v, heads, d, regime, opts, budget, prompt_rank) -> str:

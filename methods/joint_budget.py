@@ -41,10 +41,3 @@ def admissible_pairs(pairs: Iterable[tuple[P, P]], bpd: Callable[[P], float], ta
         ranked.append(((near, -round(abs(bk - bv), 9) if near else round(mean, 9), prefer(k, v)), (k, v)))
     ranked.sort(key=lambda x: x[0], reverse=True)
     return [pair for _, pair in ranked]
-
-
-def best_pair(pairs: Iterable[tuple[P, P]], bpd: Callable[[P], float], target_kv: float, band: float,
-              prefer: Callable[[P, P], tuple]) -> tuple[P, P] | None:
-    """The first of :func:`admissible_pairs`; None when none is admissible."""
-    ranked = admissible_pairs(pairs, bpd, target_kv, band, prefer)
-    return ranked[0] if ranked else None

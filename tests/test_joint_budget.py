@@ -1,12 +1,14 @@
 """``joint_kv``: one K+V budget for the integer codecs (methods/joint_budget.py): the mean of the
 two sides' measured bpd within 2 % of bpd_KV, the most balanced pair first."""
 
+import json
+
 import pytest
 
 from methods import Unsupported
 from methods.base import ModelShape, Regime
 from methods.gear import Gear
-from methods.joint_budget import best_pair
+from methods.joint_budget import admissible_pairs
 from methods.kivi import Kivi, residual_grid, side_points
 from methods.kvquant import KVQuant
 
@@ -16,19 +18,19 @@ QALL = Regime("qall", 2048)
 TRACK_B = Regime("prefill", 1536, 511)
 
 
-def test_best_pair_takes_the_most_balanced_admissible_pair_then_the_preference():
+def test_the_first_pair_is_the_most_balanced_admissible_one_then_the_preference():
     keys, vals = [1.0, 1.98, 3.0], [1.0, 2.02, 3.0]
     pairs = [(k, v) for k in keys for v in vals]
-    assert best_pair(pairs, float, 2.0, 0.02, lambda k, v: (k,)) == (1.98, 2.02)
+    assert admissible_pairs(pairs, float, 2.0, 0.02, lambda k, v: (k,))[0] == (1.98, 2.02)
     tied = [(k, v) for k in (1.0, 3.0) for v in (1.0, 3.0)]
-    assert best_pair(tied, float, 2.0, 0.0, lambda k, v: (k,)) == (3.0, 1.0)  # |k - v| ties: more key bits
-    assert best_pair(pairs, float, 0.5, 0.02, lambda k, v: (k,)) is None
+    assert admissible_pairs(tied, float, 2.0, 0.0, lambda k, v: (k,))[0] == (3.0, 1.0)  # |k - v| ties: more key bits
+    assert admissible_pairs(pairs, float, 0.5, 0.02, lambda k, v: (k,)) == []
 
 
-def test_best_pair_band_is_on_the_mean():
-    assert best_pair([(1.95, 2.0)], float, 2.0, 0.02, lambda k, v: ()) == (1.95, 2.0)
-    assert best_pair([(1.9, 2.1)], float, 2.0, 0.0, lambda k, v: ()) == (1.9, 2.1)
-    assert best_pair([(2.0, 2.2)], float, 2.0, 0.02, lambda k, v: ()) is None
+def test_the_pairs_band_is_on_the_mean():
+    assert admissible_pairs([(1.95, 2.0)], float, 2.0, 0.02, lambda k, v: ()) == [(1.95, 2.0)]
+    assert admissible_pairs([(1.9, 2.1)], float, 2.0, 0.0, lambda k, v: ()) == [(1.9, 2.1)]
+    assert admissible_pairs([(2.0, 2.2)], float, 2.0, 0.02, lambda k, v: ()) == []
 
 
 def _configured(cls, shape, regime, bpd, **opts):
@@ -96,8 +98,6 @@ def test_gear_joint_matches_the_side_by_side_fit_where_it_exists_and_names_the_f
 
 
 def test_admissible_pairs_are_under_the_ceiling_near_ones_first_then_the_largest_mean():
-    from methods.joint_budget import admissible_pairs
-
     pairs = [(k, v) for k in (1.0, 1.98, 3.0) for v in (1.0, 2.02, 3.0)]
     ranked = admissible_pairs(pairs, float, 2.0, 0.02, lambda k, v: (k,))
     assert ranked[0] == (1.98, 2.02)  # within 2%, the most balanced
@@ -118,3 +118,25 @@ def test_kivi_joint_offers_its_admissible_pairs_to_the_knob_search():
         kn = m.knobs()
         assert {k: kn[k] for k in knobs} == knobs
         assert (kn["fit"]["predicted_bpd_k"] + kn["fit"]["predicted_bpd_v"]) / 2 <= 4.0 * 1.02 + 1e-9
+
+
+def test_gear_joint_offers_its_admissible_pairs_to_the_knob_search():
+    """GEAR's joint_kv gets the search KIVI's and KVQuant's get: its admissible pairs at one n_b,
+    each configured as chosen, the mean under the ceiling; a pair outside them is refused."""
+    m = Gear(joint_kv=True, seed=0)
+    m.set_regime(QALL)
+    cands = m.knob_candidates(SMOL, 4.0, 4.0, 27)
+    assert 1 < len(cands) <= 27 and m.searches() == ("knobs",)
+    assert len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands)
+    for knobs in cands[:4]:
+        m.use_knobs(knobs)
+        m.configure(SMOL, 4.0, 4.0)
+        kn = m.knobs()
+        assert kn["block"] == knobs["block"]
+        for side in ("k", "v"):
+            assert {x: kn[side][x] for x in knobs[side]} == knobs[side]
+        assert kn["fit"]["chosen_by"] == "held-out knob search" and kn["fit"]["joint_kv"] == 4.0
+        assert (kn["fit"]["predicted_bpd_k"] + kn["fit"]["predicted_bpd_v"]) / 2 <= 4.0 * 1.02 + 1e-9
+    m.use_knobs({**cands[0], "block": 7})
+    with pytest.raises(Unsupported, match="not an admissible joint pair"):
+        m.configure(SMOL, 4.0, 4.0)
