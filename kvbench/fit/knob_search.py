@@ -9,11 +9,11 @@ knobs gets the same tuning effort. Each is configured at the job's targets in th
 (``KVMethod.use_knobs``), calibrated when the method is, and scored by Q-all perplexity (track A)
 on the :data:`~kvbench.fit.heldout.N_HELDOUT` held-out windows of :mod:`kvbench.fit.heldout`
 (never evaluation text), through the protocol of :mod:`kvbench.fit.search`. The same pass
-measures the candidate's bpd by the job's rule (:func:`job_figures` carries it to the job's regime),
-and a candidate measured over the ceiling is not admissible after all (§0.1: "predicted, and then
-measured": a data-dependent cost such as KVQuant's outlier fraction can read more on other text
-than on the calibration sample it was predicted from). The lowest
-perplexity among the rest wins; ties: the earlier candidate in the method's order. The outcome is cached in
+measures the candidate's bpd by the job's rule (:func:`job_figures` carries it to the job's
+regime), and a candidate measured over the ceiling is not admissible after all (§0.1: "predicted,
+and then measured": a data-dependent cost such as KVQuant's outlier fraction can read more on
+other text than on the calibration sample it was predicted from). The lowest perplexity among the
+rest wins; ties: the earlier candidate in the method's order. The outcome is cached in
 ``$KVBENCH_CACHE/knob_search`` (keyed by model, method, options, targets, regime, seed,
 calibration spec, the candidates and :data:`VERSION`) and recorded in the result
 (``knob_search``: every candidate with its held-out perplexity and measured bpd, and the choice).
@@ -103,7 +103,8 @@ def search(ctx: JobContext, name: str, options: dict, bpd_k: float, bpd_v: float
         log.info("%s knobs %s -> held-out PPL %.3f%s", name, knobs, ppl,
                  f" ({row['over_ceiling']})" if "over_ceiling" in row else "")
     eligible = [c for c in scored if "over_ceiling" not in c]
-    best = lowest(eligible, lambda c: c["index"], f"{name}: no knob candidate is reachable under the ceiling: {scored}")
+    best = lowest(eligible, lambda c: c["index"],
+                  f"{name}: no knob candidate is reachable under the ceiling: {scored}")
     return {"knobs": best["knobs"], "ppl": best["ppl"], "candidates": scored,
             "rule": (f"lowest Q-all PPL on the held-out windows among at most {N_CANDIDATES} admissible "
                      "candidates in the method's order (paper setting first when admissible), none whose "

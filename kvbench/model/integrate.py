@@ -125,10 +125,12 @@ class Compressor:
     Rows: a forward pass may carry B token rows, padded (:mod:`kvbench.model.batching`). Each row
     has its own layer states (inside a session: ``states[row][layer]``; in a Q-all pass: fresh
     ones), and :meth:`attend` hands each row only its real tokens, so padding never reaches a
-    method and every row computes and measures what it would alone. A Q-all pass of unpadded rows
-    of a method whose state takes rows together (``KVMethod.rows_in_one_state``) runs them through
-    one state per layer, B rows per kernel launch. The bookkeeping is per row: :meth:`read_bpd`
-    and :meth:`measured_bpd` take the row."""
+    method and every row computes and measures what it would alone. For a method whose state
+    takes rows together (``KVMethod.rows_in_one_state``) one state per layer serves all the rows,
+    B rows per kernel launch, where that changes nothing (docs/design.md §2.1): a Q-all pass of
+    unpadded rows, or of right-padded rows when the cache holds what its last query read
+    (``holds_last_read``), and a session opened with ``together``. The bookkeeping is per row:
+    :meth:`read_bpd` and :meth:`measured_bpd` take the row."""
 
     model: torch.nn.Module
     method: KVMethod
