@@ -137,8 +137,9 @@ class Gear(KVMethod):
         """The admissible points of the fit in the job's regime (side by side, :func:`admissible_fits`,
         or the pairs of :func:`joint_fits` for ``joint_kv`` with both targets): the §15.6 setting
         first when admissible, then one point per (b, r) of the keys (and of the values in the
-        KV-track) in turn, the most bits and the largest rank first, each family's points in
-        preference order (:func:`methods.budget.spread`)."""
+        KV-track; joint: one pair per key and value b) in turn, the most bits and the largest rank
+        first, each family's points in preference order (:func:`methods.budget.spread`), so that
+        the fit's own first pair (the most balanced) is among them."""
         if bpd_k is None or self._explicit():
             return []
         h, d = shape.n_kv_heads, shape.head_dim
@@ -156,9 +157,11 @@ class Gear(KVMethod):
             except Unsupported:
                 paper = None
 
-        def family(o):
+        joint = self.joint_kv and tv is not None
+
+        def family(o):  # joint: per (key bits, value bits), as KIVI's and KVQuant's pairs
             v = o["v"] or {"bits": 0, "rank": 0}
-            return o["k"]["bits"], o["k"]["rank"], v["bits"], v["rank"]
+            return (o["k"]["bits"], v["bits"]) if joint else (o["k"]["bits"], o["k"]["rank"], v["bits"], v["rank"])
 
         return spread([knob_options(f) for f in fits], family, limit, first=paper)
 

@@ -128,6 +128,15 @@ def test_gear_joint_offers_its_admissible_pairs_to_the_knob_search():
     cands = m.knob_candidates(SMOL, 4.0, 4.0, 27)
     assert 1 < len(cands) <= 27 and m.searches() == ("knobs",)
     assert len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands)
+    m.use_knobs(None)
+    m.configure(SMOL, 4.0, 4.0)
+    own = m.knobs()
+    assert {"block": own["block"], "k": {x: own["k"][x] for x in cands[0]["k"]},
+            "v": {x: own["v"][x] for x in cands[0]["v"]}} in cands  # the fit's own first pair
+    family = lambda c: (c["k"]["bits"], c["v"]["bits"])  # noqa: E731
+    families = {family(c) for c in m.knob_candidates(SMOL, 4.0, 4.0)}
+    head = cands[: min(27, len(families))]
+    assert len({family(c) for c in head}) == len(head)  # one pair per (key bits, value bits) first
     for knobs in cands[:4]:
         m.use_knobs(knobs)
         m.configure(SMOL, 4.0, 4.0)
