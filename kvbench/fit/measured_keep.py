@@ -44,7 +44,6 @@ Decisions where docs/methods.md is silent:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict
 
