@@ -18,6 +18,7 @@ import torch
 
 from kvbench import bench
 from kvbench.bench import e2e, opcount, shortseq
+from methods import REGISTRY
 
 SECTIONS = {"overhead", "allocation", "codecs", "memory", "calibration", "opcount", "zeroshot", "e2e"}
 METHODS = {"kivi", "svdq", "kqsvd", "cobra_mse", "cobra_kl", "h2o"}
@@ -88,7 +89,7 @@ def test_opcount_rows(report):
     for row in (r for r in rows if r["detail"]["regime"] == "rows"):  # 4 rows against one
         d = row["detail"]
         assert row["value"] == pytest.approx(d["kernels_per_layer"] / d["kernels_per_layer_one_row"])
-        together = d["method"] not in ("kvquant",)
+        together = REGISTRY[d["method"]].rows_in_one_state
         assert d["rows_in_one_state"] is together
         assert (row["op"], row["target"]) == (("<=", 1.25) if together and not d["plain_model"] else ("info", 0.0))
         assert row["verdict"] == ("PASS" if together and not d["plain_model"] else "INFO"), row
