@@ -54,11 +54,9 @@ from methods.compose import RHO_MIN
 
 from ..context import JobContext
 from ..data import windows as W
-from ..model.compressed_lm import CompressedLM, summarize_readings
-from ..model.integrate import attached
-from ..model.perplexity import perplexity
 from ..store.cache import cached_json
 from .heldout import N_HELDOUT, heldout_starts
+from .search import heldout_pass
 from .statistics import calibration_ids, calibration_starts, spec_fields
 
 log = logging.getLogger(__name__)
@@ -94,13 +92,8 @@ def measured_kv(ctx: JobContext, method, windows: torch.Tensor) -> tuple[float, 
     """The headline (bpd_K, bpd_V) of ``windows`` through the model with ``method`` attached, in
     the method's regime, by the job's own rule."""
     reg = method.regime
-    with attached(ctx.model, method) as comp:
-        lm = CompressedLM(ctx.model, ctx.tokenizer, comp)
-        if reg.kind == "qall":
-            perplexity(lm, windows, "A")
-        else:
-            perplexity(lm, windows, "B", reg.tokens)
-    s = summarize_readings(lm.readings)
+    track, context = ("A", None) if reg.kind == "qall" else ("B", reg.tokens)
+    _, s = heldout_pass(ctx, method, windows, track, context)
     return s["measured_k"], s["measured_v"]
 
 

@@ -11,7 +11,8 @@ recorded in the result.
 
 Users: :mod:`.kv_split` (``v_bpd=auto``), :mod:`.budget_share` (compose's ``split``),
 :mod:`.knob_search` (a method's knobs among its admissible configurations),
-:mod:`.cobra_plus_select` (per candidate, since its coordinate descent revisits points).
+:mod:`.cobra_plus_select` (per candidate, since its coordinate descent revisits points);
+:mod:`.measured_keep` measures through the same pass (:func:`heldout_pass`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def heldout_scored(ctx: JobContext, method, windows) -> tuple[float, dict | None
     """Q-all perplexity of ``windows`` and the bpd measured over them by the job's own rule
     (:func:`kvbench.model.compressed_lm.summarize_readings`: ``measured_k``, ``measured_v``,
     ``end_k``, ...; None for a model that records no readings)."""
-    nll, measured = _heldout_run(ctx, method, windows, "A", None)
+    nll, measured = heldout_pass(ctx, method, windows, "A", None)
     return _ppl(nll), measured
 
 
@@ -66,12 +67,13 @@ def heldout_window_ppl(ctx: JobContext, method, windows) -> list[float]:
 def heldout_nll(ctx: JobContext, method, windows, track: str, context: int | None) -> list[tuple[float, int]]:
     """(summed NLL, predicted tokens) of every window in order. A batch gives what its rows give
     alone (tests/test_batch_equality.py), so the batch never changes a search's outcome."""
-    return _heldout_run(ctx, method, windows, track, context)[0]
+    return heldout_pass(ctx, method, windows, track, context)[0]
 
 
-def _heldout_run(ctx: JobContext, method, windows, track: str,
+def heldout_pass(ctx: JobContext, method, windows, track: str,
                  context: int | None) -> tuple[list[tuple[float, int]], dict | None]:
-    """:func:`heldout_nll` and the readings' summary of the same pass."""
+    """:func:`heldout_nll` and the bpd measured over the same pass by the job's rule
+    (:func:`kvbench.model.compressed_lm.summarize_readings`; None when nothing records readings)."""
     with attached(ctx.model, method) as comp:
         lm = CompressedLM(ctx.model, ctx.tokenizer, comp)
         out: list[tuple[float, int]] = []
