@@ -431,7 +431,6 @@ def value_plan(bpd_v: float | None, v_quant: str, v_group: int, head_dim: int) -
     raise ValueError(f"v_quant must be 'hadamard' or 'kivi', got {v_quant!r}")
 
 
-
 def values_reachable(bpd_v: float | None, v_quant: str, v_group: int, head_dim: int) -> bool:
     """Whether :func:`value_plan` has a plan for ``bpd_v`` (a method's knob search offers nothing
     when its values cannot meet their budget: ``configure`` says why)."""
@@ -440,6 +439,7 @@ def values_reachable(bpd_v: float | None, v_quant: str, v_group: int, head_dim: 
     except Unsupported:
         return False
     return True
+
 
 def build_value_codecs(
     stats: list[LayerStats], bits: int | None, v_quant: str, v_group: int, seed: int, centered: bool,

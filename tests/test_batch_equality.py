@@ -83,6 +83,15 @@ def _rows(lengths, seed):
     return [torch.randint(2, 128, (n,), generator=g) for n in lengths]
 
 
+def _counted_states(lm, monkeypatch) -> list:
+    """The layers of every layer state ``lm``'s method builds from now on, in order."""
+    states = []
+    if lm.compressor is not None:
+        make = lm.compressor.method.new_layer_state
+        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
+    return states
+
+
 def _same_readings(batched, alone):
     assert len(batched) == len(alone)
     for b, a in zip(batched, alone):
@@ -105,10 +114,7 @@ def test_padded_logits_equal_each_row_alone(lm, monkeypatch):
     ids = torch.ones(len(rows), 41, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : r.numel()] = r
-    states = []
-    if lm.compressor is not None:
-        make = lm.compressor.method.new_layer_state
-        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
+    states = _counted_states(lm, monkeypatch)
     out = lm.logits(ids, scored=scored, lengths=[r.numel() for r in rows])
     batched = lm.readings[-len(rows):]
     if lm.compressor is not None:
@@ -129,10 +135,7 @@ def test_equal_length_rows_equal_each_row_alone(lm, monkeypatch):
     if not lm.supports_in_pass:
         pytest.skip(f"{lm.method.name} has no single-pass simulation")
     rows = _rows([37, 37, 37], seed=7)
-    states = []
-    if lm.compressor is not None:
-        make = lm.compressor.method.new_layer_state
-        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
+    states = _counted_states(lm, monkeypatch)
     out = lm.logits(torch.stack(rows), scored=[37, 9, 1])
     batched = lm.readings[-3:]
     if lm.compressor is not None:
@@ -151,10 +154,7 @@ def test_equal_length_scoring_equals_each_row_alone(lm, monkeypatch):
     rows together holds them in one session state per layer; each row scores and measures what it
     does alone (prefill-exact, then decode semantics)."""
     contexts, targets = _rows([29, 29, 29], seed=8), _rows([7, 7, 7], seed=9)
-    states = []
-    if lm.compressor is not None:
-        make = lm.compressor.method.new_layer_state
-        monkeypatch.setattr(lm.compressor.method, "new_layer_state", lambda layer: states.append(layer) or make(layer))
+    states = _counted_states(lm, monkeypatch)
     out = lm.score_rows(contexts, targets)
     batched = lm.readings[-3:]
     if lm.compressor is not None:

@@ -424,12 +424,10 @@ def rows_regime(counts: dict, methods: dict, layers: int) -> list[Row]:
                   "rows_in_one_state": together}
         note = (f"{many:.1f} device ops per layer for {ROWS} rows vs {one:.1f} for one; "
                 + ("one state per layer" if together else "one state per row and layer"))
-        if method is not None and together:
-            out.append(Row("opcount", f"{label} one-pass, {ROWS} rows", "ops / one row's ops", ratio, "x", "<=",
-                           ROWS_RATIO, shown=f"{ratio:.2f}x ({many:.1f})", detail=detail, note=note))
-        else:
-            out.append(Row("opcount", f"{label} one-pass, {ROWS} rows", "ops / one row's ops", ratio, "x", "info",
-                           0.0, shown=f"{ratio:.2f}x ({many:.1f})", detail=detail, note=note))
+        gated = method is not None and together
+        out.append(Row("opcount", f"{label} one-pass, {ROWS} rows", "ops / one row's ops", ratio, "x",
+                       "<=" if gated else "info", ROWS_RATIO if gated else 0.0,
+                       shown=f"{ratio:.2f}x ({many:.1f})", detail=detail, note=note))
     return out
 
 

@@ -93,7 +93,7 @@ def search(ctx: JobContext, name: str, options: dict, bpd_k: float, bpd_v: float
         got = score(method)
         ppl, measured = got if isinstance(got, tuple) else (got, None)
         row["ppl"] = ppl
-        figures = None if measured is None else job_figures(ctx, method, measured)
+        figures = None if measured is None else job_figures(ctx, method, predicted, measured)
         if figures is not None:
             row.update(measured_bpd_k=figures[0], measured_bpd_v=figures[1])
             over = over_ceiling(bpd_k, bpd_v, figures)
@@ -112,8 +112,9 @@ def search(ctx: JobContext, name: str, options: dict, bpd_k: float, bpd_v: float
             "heldout_windows": [N_HELDOUT, ctx.spec.seqlen], "seconds": time.perf_counter() - t0}
 
 
-def job_figures(ctx: JobContext, method, measured: dict) -> tuple[float, float] | None:
-    """(bpd_K, bpd_V) of the job's regime as the held-out windows measure a configured candidate.
+def job_figures(ctx: JobContext, method, predicted: dict, measured: dict) -> tuple[float, float] | None:
+    """(bpd_K, bpd_V) of the job's regime as the held-out windows measure a configured candidate
+    (``predicted``: its knobs' ``"predicted"`` figures in the job's regime).
 
     Where the held-out pass is the job's regime (Q-all over the held-out windows' length) its
     headline is the job's figure. Elsewhere: the method's predicted headline in the job's regime
@@ -122,7 +123,6 @@ def job_figures(ctx: JobContext, method, measured: dict) -> tuple[float, float] 
     bits do not depend on the data). None when the method predicts nothing."""
     if ctx.regime.kind == "qall" and ctx.regime.tokens == ctx.spec.seqlen:
         return measured["measured_k"], measured["measured_v"]
-    predicted = method.knobs().get("predicted") or {}
     if predicted.get("bpd_k") is None:
         return None
     nk, nv = method.nominal_bpd(ctx.spec.seqlen)
